@@ -1,0 +1,48 @@
+# Two entry points for a fresh machine: `make demo` (the main job) and `make test`.
+# Both depend on `make setup`, which is idempotent.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup demo test lint typecheck unit bus systemd bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup-system.sh
+	bash scripts/setup-system.sh
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/uapplace demo
+
+lint: setup
+	$(BIN)/ruff format --check uapplace tests bench
+	$(BIN)/ruff check uapplace tests bench
+
+typecheck: setup
+	$(BIN)/mypy
+
+test: lint typecheck
+	$(BIN)/pytest
+
+unit: setup
+	$(BIN)/pytest tests/unit
+
+bus: setup
+	$(BIN)/pytest tests/bus
+
+systemd: setup
+	$(BIN)/pytest tests/systemd
+
+bench: setup
+	$(BIN)/python bench/bench_admission.py
+	$(BIN)/python bench/bench_bus.py
+	$(BIN)/python bench/bench_shim.py
+	$(BIN)/python bench/bench_swap.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache

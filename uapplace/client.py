@@ -1,0 +1,141 @@
+"""Async client of the ``org.uap.Placement1`` bus API, shared by the CLI and the shim.
+
+Each method is one bus call with the signature in ``dbus/org.uap.Placement1.xml``.
+Calls are sent as raw messages (no introspection round trip), and an error
+reply becomes a :class:`PlacementError` carrying the D-Bus error name, so
+callers can branch on ``err.short`` (``NotFound``, ``Drifted``, …).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from dbus_fast import Message, MessageType
+from dbus_fast.aio import MessageBus
+
+from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
+
+ERROR_PREFIX = f"{INTERFACE}.Error."
+
+
+def user_bus_address(env: Mapping[str, str] | None = None) -> str:
+    """``DBUS_SESSION_BUS_ADDRESS``, else the user bus at ``$XDG_RUNTIME_DIR/bus``."""
+    env = os.environ if env is None else env
+    address = env.get("DBUS_SESSION_BUS_ADDRESS")
+    if address:
+        return address
+    runtime = env.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"
+    return f"unix:path={runtime}/bus"
+
+
+class PlacementError(Exception):
+    """An error reply from the daemon, or no daemon at all (``name`` says which)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.message = message
+
+    @property
+    def short(self) -> str:
+        """``NotFound`` for ``org.uap.Placement1.Error.NotFound``; the full name otherwise."""
+        return self.name.removeprefix(ERROR_PREFIX)
+
+    def __str__(self) -> str:
+        return f"{self.short}: {self.message}"
+
+
+class PlacementClient:
+    def __init__(self, bus: MessageBus, timeout: float = 30.0) -> None:
+        self.bus = bus
+        self.timeout = timeout
+
+    @classmethod
+    async def connect(cls, address: str | None = None, timeout: float = 30.0) -> PlacementClient:
+        bus = await MessageBus(bus_address=address or user_bus_address()).connect()
+        return cls(bus, timeout)
+
+    def disconnect(self) -> None:
+        self.bus.disconnect()
+
+    async def call(self, member: str, signature: str = "", body: list[Any] | None = None) -> Any:
+        """One method call; returns the reply body (a list), raises :class:`PlacementError`."""
+        reply = await self.bus.call(
+            Message(
+                destination=BUS_NAME,
+                path=OBJECT_PATH,
+                interface=INTERFACE,
+                member=member,
+                signature=signature,
+                body=body or [],
+            )
+        )
+        if reply is None:
+            raise PlacementError("org.freedesktop.DBus.Error.NoReply", f"{member}: no reply")
+        if reply.message_type is MessageType.ERROR:
+            text = reply.body[0] if reply.body else ""
+            raise PlacementError(reply.error_name or "unknown", str(text))
+        return reply.body
+
+    async def _json(self, member: str, signature: str = "", body: list[Any] | None = None) -> Any:
+        (text,) = await self.call(member, signature, body)
+        return json.loads(text)
+
+    async def admit(self, model: str, client: str, session: str, cells: int) -> dict[str, str]:
+        decision, target_id, placement_id, reason = await self.call(
+            "Admit", "sssu", [model, client, session, cells]
+        )
+        if decision == "forward":
+            return {"decision": "forward", "target_id": target_id}
+        return {"decision": decision, "placement_id": placement_id, "reason": reason}
+
+    async def get_state(self) -> Any:
+        return await self._json("GetState")
+
+    async def list_pending(self) -> Any:
+        return await self._json("ListPending")
+
+    async def preview(self, model: str, cells: int) -> Any:
+        return await self._json("Preview", "su", [model, cells])
+
+    async def apply(
+        self, placement_id: str, option: int, expected_victims: list[dict[str, str]] | None
+    ) -> Any:
+        expected = "" if expected_victims is None else json.dumps(expected_victims)
+        return await self._json("Apply", "sus", [placement_id, option, expected])
+
+    async def dismiss(self, placement_id: str) -> bool:
+        (dismissed,) = await self.call("Dismiss", "s", [placement_id])
+        return bool(dismissed)
+
+    async def load(self, model: str) -> Any:
+        return await self._json("Load", "s", [model])
+
+    async def unload(self, model: str) -> Any:
+        return await self._json("Unload", "s", [model])
+
+    async def write_units(self) -> list[str]:
+        (written,) = await self.call("WriteUnits")
+        return list(written)
+
+    async def measure(self, model: str, config: str) -> Any:
+        return await self._json("Measure", "ss", [model, config])
+
+    async def validate(self) -> Any:
+        return await self._json("Validate")
+
+    async def get_auto_policy(self) -> Any:
+        return await self._json("GetAutoPolicy")
+
+    async def set_auto_policy(self, changes: dict[str, Any], consent: bool) -> Any:
+        return await self._json("SetAutoPolicy", "sb", [json.dumps(changes), consent])
+
+    async def hold(self, model: str, reason: str, app_id: str) -> int:
+        (cookie,) = await self.call("Hold", "sss", [model, reason, app_id])
+        return int(cookie)
+
+    async def release(self, cookie: int) -> None:
+        await self.call("Release", "u", [cookie])

@@ -1,0 +1,400 @@
+"""The plain typed objects every module shares.
+
+Pydantic lives at the edges (files, bus, HTTP); inside, the program passes these
+frozen dataclasses around. Each edge module converts to and from them.
+
+Units: memory in MiB (floats where the spec's cost math produces fractions),
+context in cells (tokens), times as POSIX seconds (``float``) inside and
+ISO-8601 UTC strings in files and on the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+DEFAULT_CELLS = 32768
+"""Context a request is assumed to need when it names none (CONTRACT.md §1)."""
+
+Provenance = Literal["repo", "local"]
+
+
+def iso(ts: float) -> str:
+    """POSIX seconds → ``2026-10-08T14:02:00Z``."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_iso(text: str) -> float:
+    """ISO-8601 (``Z`` or offset) → POSIX seconds. Raises ``ValueError``."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+# --------------------------------------------------------------------------- registry
+
+
+class DeviceKind(StrEnum):
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class Device:
+    """A placement device from the registry: ``gpu0``, ``gpu1``, ``cpu0``."""
+
+    key: str
+    kind: DeviceKind
+    total_mib: int
+    reserved_mib: int
+    name: str = ""
+    uuid: str | None = None
+    """NVML (or simulated) UUID this key is bound to; ``None`` → the index in the key."""
+    reserve_reason: str = ""
+    provenance: Mapping[str, Provenance] = field(default_factory=dict)
+    """Per field name: which registry file it came from."""
+
+
+class ConfigStatus(StrEnum):
+    MEASURED = "measured"
+    UNMEASURED = "unmeasured"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration of a model, with its measured footprint (spec §4.1)."""
+
+    key: str
+    status: ConfigStatus
+    resident_gpu_mib: float | None = None
+    host_rss_mib: float | None = None
+    context_pool_cells: int | None = None
+    per_session_cap_cells: int | None = None
+    kv_resident_cells: int | None = None
+    kv_mib_per_1k_cells: float | None = None
+    kv: str | None = None
+    """KV cache dtype the engine runs with (``int8``, ``f16``), for ``metricsMustMatch``."""
+    measured_at: str | None = None
+    measured_on: str | None = None
+    flags: tuple[str, ...] = ()
+    unit: str | None = None
+    """Overrides the model's unit when this config runs under its own unit."""
+    endpoint: str | None = None
+    provenance: Provenance = "repo"
+
+    @property
+    def is_measured(self) -> bool:
+        """Placeable at all: a measurement exists for both the GPU and the host figure."""
+        return (
+            self.status is ConfigStatus.MEASURED
+            and self.measured_at is not None
+            and self.resident_gpu_mib is not None
+            and self.host_rss_mib is not None
+        )
+
+
+def cost_mib(config: Config, cells: int) -> float | None:
+    """Spec §4.1/§4.4 admission cost, or ``None`` when it is unknown (fail closed).
+
+    ``resident_gpu_mib + max(0, cells − kv_resident_cells)/1000 × kv_mib_per_1k_cells``.
+    Unknown when the config is unmeasured, or when the request goes past the
+    resident KV pool and no per-1k rate was measured.
+    """
+    if not config.is_measured or config.resident_gpu_mib is None:
+        return None
+    resident_cells = config.kv_resident_cells or 0
+    extra_cells = max(0, cells - resident_cells)
+    if extra_cells == 0:
+        return float(config.resident_gpu_mib)
+    if config.kv_mib_per_1k_cells is None or config.kv_resident_cells is None:
+        return None
+    return config.resident_gpu_mib + extra_cells / 1000 * config.kv_mib_per_1k_cells
+
+
+@dataclass(frozen=True)
+class Model:
+    key: str
+    display: str
+    engine: str
+    configs: Mapping[str, Config]
+    unit: str | None = None
+    endpoint: str | None = None
+    launch: str | None = None
+    profile: str | None = None
+    service: str | None = None
+    """Name of the matching ``services[]`` entry in capacity-policy.json."""
+    rails: int | None = None
+    rails_source: str | None = None
+    task_affinity: tuple[str, ...] = ()
+    affinity_devices: tuple[str, ...] = ()
+    advertises: tuple[str, ...] = ()
+
+    def unit_for(self, config: Config) -> str | None:
+        return config.unit or self.unit
+
+    def endpoint_for(self, config: Config) -> str | None:
+        return config.endpoint or self.endpoint
+
+    def serves(self, model_id: str) -> bool:
+        return model_id == self.key or model_id in self.advertises or model_id in self.configs
+
+
+@dataclass(frozen=True)
+class Registry:
+    devices: Mapping[str, Device]
+    models: Mapping[str, Model]
+
+    def resolve(self, model_id: str) -> tuple[Model, Config | None] | None:
+        """The model a requested id names: by model key, advertised id or config key.
+
+        A config key pins that config; otherwise the config is the planner's choice.
+        """
+        if model_id in self.models:
+            return self.models[model_id], None
+        for model in self.models.values():
+            if model_id in model.advertises:
+                return model, None
+            if model_id in model.configs:
+                return model, model.configs[model_id]
+        return None
+
+    def gpus(self) -> list[Device]:
+        return [d for d in self.devices.values() if d.kind is DeviceKind.GPU]
+
+    def host(self) -> Device | None:
+        return next((d for d in self.devices.values() if d.kind is DeviceKind.CPU), None)
+
+
+# --------------------------------------------------------------------------- probes
+
+
+class ProbeSource(StrEnum):
+    NVML = "nvml"
+    SIM = "sim"
+    ABSENT = "absent"
+    MEMAVAILABLE = "MemAvailable"
+
+
+@dataclass(frozen=True)
+class ProcessUsage:
+    pid: int
+    used_mib: float
+    command: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceReading:
+    """What a probe saw on one device just now. The probe wins over the ledger."""
+
+    key: str
+    kind: DeviceKind
+    total_mib: float
+    free_mib: float
+    source: ProbeSource
+    processes: tuple[ProcessUsage, ...] = ()
+    uuid: str | None = None
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- ledger
+
+
+class ResidentState(StrEnum):
+    HOT = "hot"
+    WARMING = "warming"
+    PAUSED = "paused"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Someone using a resident: an in-flight request from the proxy, or a bus Hold."""
+
+    client: str
+    kind: Literal["inflight", "hold"]
+    detail: str = ""
+    started_at: str | None = None
+    cookie: int | None = None
+
+
+@dataclass(frozen=True)
+class Resident:
+    model: str
+    config: str
+    device: str
+    engine: str
+    endpoint: str | None
+    unit: str | None
+    state: ResidentState
+    gpu_mib: float | None
+    host_rss_mib: float | None
+    since: str
+    holders: tuple[Holder, ...] = ()
+    main_pid: int | None = None
+
+    @property
+    def target_id(self) -> str:
+        """CONTRACT.md §1: ``<device>:<endpoint or 'default'>``."""
+        return f"{self.device}:{self.endpoint or 'default'}"
+
+    @property
+    def signature(self) -> str:
+        return f"{self.model}/{self.config}"
+
+
+class ParkReason(StrEnum):
+    UNKNOWN_MODEL = "unknown_model"
+    NO_MEASURED_CONFIG = "no_measured_config"
+    NOT_RESIDENT = "not_resident"
+    AUTO_LOADING = "auto_loading"
+    AUTO_FAILED = "auto_failed"
+    INVALID_REQUEST = "invalid_request"
+
+
+# --------------------------------------------------------------------------- planner
+
+
+class OptionKind(StrEnum):
+    REUSE = "reuse"
+    LOAD_ALONGSIDE = "load_alongside"
+    DISPLACE = "displace"
+
+
+class PreviewReason(StrEnum):
+    OK = "ok"
+    NOT_IN_REGISTRY = "not_in_registry"
+    NO_MEASURED_CONFIG = "no_measured_config"
+    NO_FEASIBLE_OPTION = "no_feasible_option"
+
+
+@dataclass(frozen=True)
+class Victim:
+    """One resident a displace option stops, with its spec §4.5 consequence."""
+
+    model: str
+    config: str
+    state: ResidentState
+    device: str
+    holders: tuple[Holder, ...]
+    in_flight: bool | None
+    """``None`` when the proxy did not answer: unknown, which counts as busy."""
+    frees_mib: float
+    consequence: str
+    reload_mib: float | None = None
+
+    @property
+    def signature(self) -> str:
+        return f"{self.model}/{self.config}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "config": self.config,
+            "state": self.state.value,
+            "device": self.device,
+            "holders": [holder_json(h) for h in self.holders],
+            "in_flight": self.in_flight,
+            "frees_mib": self.frees_mib,
+            "consequence": self.consequence,
+            "reload_mib": self.reload_mib,
+        }
+
+
+def holder_json(holder: Holder) -> dict[str, Any]:
+    out: dict[str, Any] = {"client": holder.client, "kind": holder.kind}
+    if holder.detail:
+        out["detail"] = holder.detail
+    if holder.started_at:
+        out["started_at"] = holder.started_at
+    if holder.cookie is not None:
+        out["cookie"] = holder.cookie
+    return out
+
+
+@dataclass(frozen=True)
+class Option:
+    kind: OptionKind
+    model: str
+    config: str
+    device: str
+    cost_mib: float
+    victims: tuple[Victim, ...] = ()
+    affinity_match: bool = False
+
+    @property
+    def signature(self) -> tuple[str, ...]:
+        """The approval signature: sorted ``model/config`` of every victim."""
+        return tuple(sorted(v.signature for v in self.victims))
+
+    @property
+    def frees_mib(self) -> float:
+        return sum(v.frees_mib for v in self.victims)
+
+    def to_json(self) -> dict[str, Any]:
+        """CONTRACT.md §4 option shape (``victims``/``affinityMatch`` only where they apply)."""
+        out: dict[str, Any] = {
+            "kind": self.kind.value,
+            "model": self.model,
+            "config": self.config,
+            "device": self.device,
+            "cost_mib": round(self.cost_mib, 3),
+        }
+        if self.kind is OptionKind.DISPLACE:
+            out["victims"] = [v.to_json() for v in self.victims]
+            out["signature"] = list(self.signature)
+            out["frees_mib"] = round(self.frees_mib, 3)
+        if self.kind is OptionKind.LOAD_ALONGSIDE:
+            out["affinityMatch"] = self.affinity_match
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer for one requested id (CONTRACT.md §4 preview)."""
+
+    requested: str
+    reason: PreviewReason
+    options: tuple[Option, ...] = ()
+    infeasible: tuple[str, ...] = ()
+    """Why each candidate that did not make the list failed, naming the device."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.requested,
+            "reason": self.reason.value,
+            "options": [o.to_json() for o in self.options],
+            "infeasible": list(self.infeasible),
+        }
+
+
+@dataclass(frozen=True)
+class PendingEntry:
+    id: str
+    requested_model: str
+    client: str
+    session: str | None
+    created_at: float
+    expires_at: float
+    reason: ParkReason
+    cells: int = DEFAULT_CELLS
+    pid: int | None = None
+    options: tuple[Option, ...] = ()
+
+    def expired(self, now: float) -> bool:
+        return now >= self.expires_at
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The answer to one admit (CONTRACT.md §1)."""
+
+    decision: Literal["forward", "park"]
+    target_id: str = ""
+    placement_id: str = ""
+    reason: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        if self.decision == "forward":
+            return {"decision": "forward", "target_id": self.target_id}
+        return {"decision": "park", "placement_id": self.placement_id, "reason": self.reason}
