@@ -8,6 +8,7 @@ callers can branch on ``err.short`` (``NotFound``, ``Drifted``, …).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import Mapping
@@ -49,30 +50,37 @@ class PlacementError(Exception):
 
 
 class PlacementClient:
-    def __init__(self, bus: MessageBus, timeout: float = 30.0) -> None:
+    def __init__(self, bus: MessageBus, call_timeout: float = 30.0) -> None:
         self.bus = bus
-        self.timeout = timeout
+        self.call_timeout = call_timeout
 
     @classmethod
-    async def connect(cls, address: str | None = None, timeout: float = 30.0) -> PlacementClient:
+    async def connect(
+        cls, address: str | None = None, call_timeout: float = 30.0
+    ) -> PlacementClient:
         bus = await MessageBus(bus_address=address or user_bus_address()).connect()
-        return cls(bus, timeout)
+        return cls(bus, call_timeout)
 
     def disconnect(self) -> None:
         self.bus.disconnect()
 
     async def call(self, member: str, signature: str = "", body: list[Any] | None = None) -> Any:
         """One method call; returns the reply body (a list), raises :class:`PlacementError`."""
-        reply = await self.bus.call(
-            Message(
-                destination=BUS_NAME,
-                path=OBJECT_PATH,
-                interface=INTERFACE,
-                member=member,
-                signature=signature,
-                body=body or [],
-            )
+        message = Message(
+            destination=BUS_NAME,
+            path=OBJECT_PATH,
+            interface=INTERFACE,
+            member=member,
+            signature=signature,
+            body=body or [],
         )
+        try:
+            async with asyncio.timeout(self.call_timeout):
+                reply = await self.bus.call(message)
+        except TimeoutError:
+            raise PlacementError(
+                "org.freedesktop.DBus.Error.Timeout", f"{member}: no reply in {self.call_timeout} s"
+            ) from None
         if reply is None:
             raise PlacementError("org.freedesktop.DBus.Error.NoReply", f"{member}: no reply")
         if reply.message_type is MessageType.ERROR:
