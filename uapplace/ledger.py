@@ -1,0 +1,587 @@
+"""The placement ledger, ``~/.uap/placement.json`` (spec §4.2).
+
+The ledger records intent; the probe records fact. Every writer goes through
+:meth:`Ledger.update`: an exclusive ``fcntl.flock`` on ``placement.json.lock``,
+a fresh re-read of the file, the change, then ``placement.json.tmp-<pid>`` +
+``fsync`` + ``os.replace`` + ``fsync`` of the directory. A reader therefore
+always sees a whole file and needs no lock; a stale view can never clobber a
+newer one.
+
+A file that is not valid JSON or not the §4.2 shape is moved aside to
+``placement.json.corrupt-<UTC timestamp>`` (never overwritten, never deleted),
+:attr:`Ledger.last_error` says where it went, and work continues from an empty
+document.
+
+All calls here block on file I/O and the lock: the daemon runs them in a thread
+(``asyncio.to_thread``), never on the loop that answers ``Admit``.
+
+Times in the file are ISO-8601 UTC strings with whole seconds (``model.iso``),
+so a time read back is the written one truncated to the second.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+)
+
+from uapplace.model import (
+    DEFAULT_CELLS,
+    DeviceKind,
+    DeviceReading,
+    Holder,
+    Option,
+    OptionKind,
+    ParkReason,
+    PendingEntry,
+    ProbeSource,
+    ProcessUsage,
+    Resident,
+    ResidentState,
+    Victim,
+    holder_json,
+    iso,
+)
+
+T = TypeVar("T")
+
+LEDGER_VERSION = 1
+DEFAULT_LOCK_TIMEOUT_S = 5.0
+_MAX_ERRORS_SHOWN = 5
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- locking and writing
+
+
+class LockTimeout(TimeoutError):
+    """The advisory lock stayed held by someone else for the whole timeout."""
+
+    def __init__(self, lock_path: Path, timeout: float) -> None:
+        super().__init__(
+            f"timed out after {timeout:g}s waiting for the lock {lock_path} "
+            "(another process holds it)"
+        )
+        self.lock_path = lock_path
+        self.timeout = timeout
+
+
+class LedgerLockTimeout(LockTimeout):
+    """The ledger lock stayed held (another uapplaced or uapplace command is writing)."""
+
+
+@contextmanager
+def exclusive_lock(
+    lock_path: Path, timeout: float, error: type[LockTimeout] = LockTimeout
+) -> Iterator[None]:
+    """Hold ``fcntl.flock(LOCK_EX)`` on ``lock_path`` (created 0600), or raise ``error``.
+
+    flock cannot wait with a timeout, so this polls with a short backoff.
+    """
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise error(lock_path, timeout) from None
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, 0.01)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def atomic_write(path: Path, text: str, mode: int = 0o600, sync: bool = True) -> None:
+    """Replace ``path`` with ``text`` so that a reader sees the old or the new file, whole.
+
+    Writes ``<path>.tmp-<pid>``; with ``sync``, fsyncs it before the rename and the
+    directory after, so a crash leaves one of the two versions on disk too.
+    """
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            os.fchmod(out.fileno(), mode)  # a stale tmp file kept its old mode
+            out.write(text)
+            out.flush()
+            if sync:
+                os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if sync:
+        _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """``residents[0].state: Input should be 'hot', …; usage.m: …`` (at most five)."""
+    problems = [
+        f"{json_path(e['loc'])}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors()
+    ]
+    shown = problems[:_MAX_ERRORS_SHOWN]
+    if len(problems) > len(shown):
+        shown.append(f"and {len(problems) - len(shown)} more")
+    return "; ".join(shown)
+
+
+def json_path(loc: Sequence[int | str]) -> str:
+    """``("residents", 0, "state")`` → ``residents[0].state``; ``()`` → ``(document)``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() or part.replace("-", "").replace(".", "").isalnum():
+            out += f".{part}" if out else part
+        else:
+            out += f"[{json.dumps(part)}]"
+    return out or "(document)"
+
+
+# --------------------------------------------------------------------------- the document
+
+
+@dataclass
+class LedgerDoc:
+    """The whole ledger: mutable, handed to the function given to :meth:`Ledger.update`."""
+
+    version: int = LEDGER_VERSION
+    updated_at: float = 0.0
+    devices: dict[str, DeviceReading] = field(default_factory=dict)
+    residents: list[Resident] = field(default_factory=list)
+    pending: list[PendingEntry] = field(default_factory=list)
+    usage: dict[str, float] = field(default_factory=dict)
+    """Model → POSIX seconds of the last gated forward (spec §4.4.2)."""
+    cooldowns: dict[str, float] = field(default_factory=dict)
+    """Model → POSIX seconds until which auto-load / idle-unload leave it alone."""
+
+
+class LedgerFormatError(ValueError):
+    """JSON that is not the spec §4.2 shape; the message names the JSON path."""
+
+
+def _iso_seconds(value: Any) -> float:
+    if not isinstance(value, str):
+        raise ValueError("expected an ISO-8601 UTC time such as 2026-10-08T14:02:11Z")
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"not an ISO-8601 time: {value!r}") from None
+    if moment.tzinfo is None:
+        raise ValueError(f"time without a zone (end it with Z): {value!r}")
+    return moment.timestamp()
+
+
+def _iso_text(value: str) -> str:
+    _iso_seconds(value)
+    return value
+
+
+IsoSeconds = Annotated[float, BeforeValidator(_iso_seconds)]
+IsoText = Annotated[str, AfterValidator(_iso_text)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class _ProcessJson(_Strict):
+    pid: int
+    used_mib: float
+    command: str = ""
+
+
+class _DeviceJson(_Strict):
+    kind: DeviceKind
+    total_mib: float
+    free_mib: float
+    source: ProbeSource
+    processes: list[_ProcessJson] = []
+    uuid: str | None = None
+    error: str | None = None
+    # The spec's example carries the registry's reserve next to the reading;
+    # accepted, not kept (the registry is where it lives).
+    reserved_mib: float | None = None
+    headroom_mib: float | None = None
+
+
+class _HolderJson(_Strict):
+    client: str
+    kind: Literal["inflight", "hold"]
+    detail: str = ""
+    started_at: str | None = None
+    cookie: int | None = None
+
+
+class _ResidentJson(_Strict):
+    model: str
+    config: str
+    device: str
+    engine: str
+    endpoint: str | None
+    unit: str | None
+    state: ResidentState
+    gpu_mib: float | None
+    host_rss_mib: float | None
+    since: IsoText
+    holders: list[_HolderJson] = []
+    main_pid: int | None = None
+
+
+class _VictimJson(_Strict):
+    model: str
+    config: str
+    state: ResidentState
+    device: str
+    holders: list[_HolderJson] = []
+    in_flight: bool | None
+    frees_mib: float
+    consequence: str
+    reload_mib: float | None = None
+
+
+class _OptionJson(_Strict):
+    kind: OptionKind
+    model: str
+    config: str
+    device: str
+    cost_mib: float
+    victims: list[_VictimJson] = []
+    affinity_match: bool = Field(default=False, alias="affinityMatch")
+    # Derived from the victims by Option; accepted on input, recomputed on output.
+    signature: list[str] | None = None
+    frees_mib: float | None = None
+
+
+class _PendingJson(_Strict):
+    id: str
+    requested_model: str
+    client: str
+    session: str | None = None
+    pid: int | None = None
+    created_at: IsoSeconds
+    expires_at: IsoSeconds
+    reason: ParkReason
+    cells: int = Field(default=DEFAULT_CELLS, gt=0)
+    options: list[_OptionJson] = []
+    # ListPending's 1-based pointer into options; derived, so not kept.
+    recommended: int | None = None
+
+
+class _LedgerJson(_Strict):
+    version: Literal[1]
+    updated_at: IsoSeconds
+    devices: dict[str, _DeviceJson] = {}
+    residents: list[_ResidentJson] = []
+    pending: list[_PendingJson] = []
+    usage: dict[str, IsoSeconds] = {}
+    cooldowns: dict[str, IsoSeconds] = {}
+
+
+# ----------------------------------------------------------------- to JSON
+
+
+def reading_to_json(reading: DeviceReading) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "kind": reading.kind.value,
+        "total_mib": reading.total_mib,
+        "free_mib": reading.free_mib,
+        "source": reading.source.value,
+        "processes": [
+            {"pid": p.pid, "used_mib": p.used_mib, "command": p.command} for p in reading.processes
+        ],
+    }
+    if reading.uuid is not None:
+        out["uuid"] = reading.uuid
+    if reading.error is not None:
+        out["error"] = reading.error
+    return out
+
+
+def resident_to_json(resident: Resident) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "model": resident.model,
+        "config": resident.config,
+        "device": resident.device,
+        "engine": resident.engine,
+        "endpoint": resident.endpoint,
+        "unit": resident.unit,
+        "state": resident.state.value,
+        "gpu_mib": resident.gpu_mib,
+        "host_rss_mib": resident.host_rss_mib,
+        "holders": [holder_json(h) for h in resident.holders],
+        "since": resident.since,
+    }
+    if resident.main_pid is not None:
+        out["main_pid"] = resident.main_pid
+    return out
+
+
+def pending_to_json(entry: PendingEntry) -> dict[str, Any]:
+    """The spec §4.2 pending entry (ListPending adds ``recommended`` to it)."""
+    return {
+        "id": entry.id,
+        "requested_model": entry.requested_model,
+        "client": entry.client,
+        "session": entry.session,
+        "pid": entry.pid,
+        "created_at": iso(entry.created_at),
+        "expires_at": iso(entry.expires_at),
+        "reason": entry.reason.value,
+        "cells": entry.cells,
+        "options": [o.to_json() for o in entry.options],
+    }
+
+
+def doc_to_json(doc: LedgerDoc) -> dict[str, Any]:
+    """The spec §4.2 document."""
+    return {
+        "version": doc.version,
+        "updated_at": iso(doc.updated_at),
+        "devices": {key: reading_to_json(r) for key, r in doc.devices.items()},
+        "residents": [resident_to_json(r) for r in doc.residents],
+        "pending": [pending_to_json(p) for p in doc.pending],
+        "usage": {model: iso(ts) for model, ts in doc.usage.items()},
+        "cooldowns": {model: iso(ts) for model, ts in doc.cooldowns.items()},
+    }
+
+
+# ----------------------------------------------------------------- from JSON
+
+
+def _holder(data: _HolderJson) -> Holder:
+    return Holder(data.client, data.kind, data.detail, data.started_at, data.cookie)
+
+
+def _reading(key: str, data: _DeviceJson) -> DeviceReading:
+    return DeviceReading(
+        key=key,
+        kind=data.kind,
+        total_mib=data.total_mib,
+        free_mib=data.free_mib,
+        source=data.source,
+        processes=tuple(ProcessUsage(p.pid, p.used_mib, p.command) for p in data.processes),
+        uuid=data.uuid,
+        error=data.error,
+    )
+
+
+def _resident(data: _ResidentJson) -> Resident:
+    return Resident(
+        model=data.model,
+        config=data.config,
+        device=data.device,
+        engine=data.engine,
+        endpoint=data.endpoint,
+        unit=data.unit,
+        state=data.state,
+        gpu_mib=data.gpu_mib,
+        host_rss_mib=data.host_rss_mib,
+        since=data.since,
+        holders=tuple(_holder(h) for h in data.holders),
+        main_pid=data.main_pid,
+    )
+
+
+def _victim(data: _VictimJson) -> Victim:
+    return Victim(
+        model=data.model,
+        config=data.config,
+        state=data.state,
+        device=data.device,
+        holders=tuple(_holder(h) for h in data.holders),
+        in_flight=data.in_flight,
+        frees_mib=data.frees_mib,
+        consequence=data.consequence,
+        reload_mib=data.reload_mib,
+    )
+
+
+def _option(data: _OptionJson) -> Option:
+    return Option(
+        kind=data.kind,
+        model=data.model,
+        config=data.config,
+        device=data.device,
+        cost_mib=data.cost_mib,
+        victims=tuple(_victim(v) for v in data.victims),
+        affinity_match=data.affinity_match,
+    )
+
+
+def _pending(data: _PendingJson) -> PendingEntry:
+    return PendingEntry(
+        id=data.id,
+        requested_model=data.requested_model,
+        client=data.client,
+        session=data.session,
+        created_at=data.created_at,
+        expires_at=data.expires_at,
+        reason=data.reason,
+        cells=data.cells,
+        pid=data.pid,
+        options=tuple(_option(o) for o in data.options),
+    )
+
+
+def _validated(schema: type[_Strict], data: Any) -> Any:
+    try:
+        return schema.model_validate(data)
+    except ValidationError as err:
+        raise LedgerFormatError(describe_validation_error(err)) from None
+
+
+def option_from_json(data: Any) -> Option:
+    """The inverse of :meth:`Option.to_json`. Raises :class:`LedgerFormatError`."""
+    parsed: _OptionJson = _validated(_OptionJson, data)
+    return _option(parsed)
+
+
+def pending_from_json(data: Any) -> PendingEntry:
+    """The inverse of :func:`pending_to_json`. Raises :class:`LedgerFormatError`."""
+    parsed: _PendingJson = _validated(_PendingJson, data)
+    return _pending(parsed)
+
+
+def doc_from_json(data: Any) -> LedgerDoc:
+    """The inverse of :func:`doc_to_json`. Raises :class:`LedgerFormatError` naming the path."""
+    if not isinstance(data, dict):
+        raise LedgerFormatError(f"(document): expected a JSON object, got {type(data).__name__}")
+    parsed: _LedgerJson = _validated(_LedgerJson, data)
+    return LedgerDoc(
+        version=parsed.version,
+        updated_at=parsed.updated_at,
+        devices={key: _reading(key, d) for key, d in parsed.devices.items()},
+        residents=[_resident(r) for r in parsed.residents],
+        pending=[_pending(p) for p in parsed.pending],
+        usage=dict(parsed.usage),
+        cooldowns=dict(parsed.cooldowns),
+    )
+
+
+def parse_ledger_text(raw: bytes) -> LedgerDoc:
+    """File bytes → document. Raises :class:`LedgerFormatError`."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise LedgerFormatError(f"not UTF-8 text: {err}") from None
+    except json.JSONDecodeError as err:
+        raise LedgerFormatError(f"invalid JSON: {err}") from None
+    return doc_from_json(data)
+
+
+# --------------------------------------------------------------------------- the file
+
+
+class Ledger:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self.last_error: str | None = None
+        """The latest problem met (a corrupt file moved aside, and where to); kept until
+        the next one, or until the owner sets it back to ``None``."""
+
+    def read(self, lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S) -> LedgerDoc:
+        """The current document; an empty one when there is no file yet.
+
+        Takes no lock unless the file is corrupt: then, under the lock, it is moved
+        aside (unless a writer fixed it meanwhile) and the empty document returned.
+        """
+        try:
+            return self._load()
+        except LedgerFormatError:
+            pass
+        try:
+            with exclusive_lock(self.lock_path, lock_timeout, LedgerLockTimeout):
+                return self._load_or_move_aside()
+        except LedgerLockTimeout as err:
+            self.last_error = f"{self.path} is corrupt and could not be moved aside: {err}"
+            log.warning("%s", self.last_error)
+            return LedgerDoc()
+
+    def update(
+        self, fn: Callable[[LedgerDoc], T], lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
+    ) -> T:
+        """Apply ``fn`` to a fresh read of the file under the lock and commit it.
+
+        ``fn`` changes the document in place; its return value is returned. If ``fn``
+        raises, nothing is written. Raises :class:`LedgerLockTimeout`.
+        """
+        self._ensure_directory()
+        with exclusive_lock(self.lock_path, lock_timeout, LedgerLockTimeout):
+            doc = self._load_or_move_aside()
+            result = fn(doc)
+            doc.updated_at = time.time()
+            text = json.dumps(doc_to_json(doc), indent=2) + "\n"
+            atomic_write(self.path, text, mode=0o600, sync=True)
+        return result
+
+    # ----------------------------------------------------------------- internals
+
+    def _load(self) -> LedgerDoc:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return LedgerDoc()
+        return parse_ledger_text(raw)
+
+    def _load_or_move_aside(self) -> LedgerDoc:
+        """Caller holds the lock."""
+        try:
+            return self._load()
+        except LedgerFormatError as err:
+            moved_to = self._move_aside()
+            self.last_error = (
+                f"{self.path} was corrupt ({err}); moved it aside to {moved_to} "
+                "and continued from an empty ledger"
+            )
+            log.warning("%s", self.last_error)
+            return LedgerDoc()
+
+    def _move_aside(self) -> Path:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        serial = 1
+        while target.exists():
+            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}.{serial}")
+            serial += 1
+        os.rename(self.path, target)
+        return target
+
+    def _ensure_directory(self) -> None:
+        directory = self.path.parent
+        if not directory.is_dir():
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(directory, 0o700)  # mkdir's mode is filtered by the umask
