@@ -1,0 +1,684 @@
+"""The model registry: schema, repo + machine-local merge, provenance (spec §4.1, §9.1).
+
+Two files describe the machine. ``config/model-registry.json`` (the repo) carries the
+shape: devices, models, config names, advertised ids, units. ``$UAP_HOME/model-registry.json``
+(the machine-local file) carries this box's measurements. The loader deep-merges the
+local file over the repo file:
+
+- per device, **per field** (a local ``reserved_mib`` replaces the repo's, the rest stays);
+- per model, per field, and **per config whole** (a local config entry replaces the
+  repo's config entry outright; a config only the repo names keeps the repo's content).
+
+Every config and every device field records which file it came from, so
+``uapplace validate`` can attribute a wrong number.
+
+A broken repo file raises :class:`ConfigFileError`. A broken local file does not: the
+repo defaults load (everything the local file would have measured stays unmeasured and
+fails closed) and the error travels in :attr:`RegistryLoad.errors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+)
+
+from uapplace.model import (
+    Config,
+    ConfigStatus,
+    Device,
+    DeviceKind,
+    Model,
+    Provenance,
+    Registry,
+    parse_iso,
+)
+
+UNIT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]*$")
+DEVICE_KEY_RE = r"^[A-Za-z0-9_.-]+$"
+"""Device keys become the ``<device>:`` half of a proxy ``target_id`` (CONTRACT.md §1)."""
+
+_UNIT_NAME_MAX = 255
+_UNIT_SUFFIXES = frozenset(
+    {
+        "service",
+        "socket",
+        "target",
+        "device",
+        "mount",
+        "automount",
+        "swap",
+        "timer",
+        "path",
+        "slice",
+        "scope",
+    }
+)
+_CONFIG_TAGS = ("measured", "unmeasured")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ConfigFileError(Exception):
+    """A configuration file is unreadable or says something invalid.
+
+    ``str()`` is ``"<file>: <json_path>: <message>"``, e.g.
+    ``config/model-registry.json: $.models.qwen3.8-27b.configs.llama-mtp.resident_gpu_mib:
+    Input should be a valid number``.
+    """
+
+    def __init__(
+        self,
+        file: Path,
+        json_path: str,
+        message: str,
+        others: tuple[ConfigFileError, ...] = (),
+    ) -> None:
+        super().__init__(f"{file}: {json_path}: {message}")
+        self.file = file
+        self.json_path = json_path
+        self.message = message
+        self.others = others
+        """Further problems found in the same pass (a file rarely has only one typo)."""
+
+    def every(self) -> tuple[ConfigFileError, ...]:
+        """This error followed by :attr:`others`."""
+        return (self, *self.others)
+
+
+def combined(errors: list[ConfigFileError]) -> ConfigFileError:
+    """The first error, carrying the rest in :attr:`ConfigFileError.others`."""
+    first, *rest = errors
+    return ConfigFileError(first.file, first.json_path, first.message, tuple(rest))
+
+
+def _raise_all(errors: list[ConfigFileError]) -> None:
+    if errors:
+        raise combined(errors)
+
+
+def json_path(loc: Iterable[str | int]) -> str:
+    """``("models", "m", "configs", 0)`` → ``$.models.m.configs[0]``."""
+    out = "$"
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _clean_loc(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+    """Drop the discriminator tag pydantic puts after a config key, and its ``[key]`` marker."""
+    parts = list(loc)
+    is_config = len(parts) > 4 and parts[0] == "models" and parts[2] == "configs"
+    if is_config and parts[4] in _CONFIG_TAGS:
+        del parts[4]
+    return tuple(p for p in parts if p != "[key]")
+
+
+def validation_errors(
+    exc: ValidationError, file: Path, prefix: tuple[str | int, ...] = ()
+) -> list[ConfigFileError]:
+    """One :class:`ConfigFileError` per pydantic error, each naming its JSON path.
+
+    ``prefix`` roots the paths when the validated object sits inside a larger file.
+    """
+    out: list[ConfigFileError] = []
+    for err in exc.errors(include_url=False):
+        loc = (*prefix, *err["loc"])
+        message = str(err["msg"])
+        if "[key]" in loc:
+            message = f"bad key: {message}"
+        out.append(ConfigFileError(file, json_path(_clean_loc(loc)), message))
+    return out
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file; every failure is a :class:`ConfigFileError` naming the file.
+
+    Duplicate object keys are refused: in a hand-edited file the second one is a typo
+    that would otherwise silently win.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigFileError(path, "$", "file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigFileError(path, "$", f"cannot read: {exc}") from None
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except json.JSONDecodeError as exc:
+        raise ConfigFileError(
+            path, "$", f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+        ) from None
+    except _DuplicateKeyError as exc:
+        raise ConfigFileError(
+            path, "$", f"duplicate key {exc.args[0]!r} in a JSON object"
+        ) from None
+
+
+# --------------------------------------------------------------------------- names
+
+
+def valid_unit_name(name: str) -> bool:
+    """Safe to hand to systemd as a user unit name (never to a shell)."""
+    return (
+        0 < len(name) <= _UNIT_NAME_MAX
+        and UNIT_NAME_RE.fullmatch(name) is not None
+        and ".." not in name
+        and "/" not in name
+    )
+
+
+def unit_file_name(name: str) -> str:
+    """``uap-strata-server`` → ``uap-strata-server.service``; a typed name stays as it is."""
+    _, dot, suffix = name.rpartition(".")
+    if dot and suffix in _UNIT_SUFFIXES:
+        return name
+    return f"{name}.service"
+
+
+def _check_unit(name: str) -> str:
+    if not valid_unit_name(name):
+        raise ValueError(
+            f"invalid unit name {name!r}: must match {UNIT_NAME_RE.pattern}, "
+            "contain no '..' and no '/'"
+        )
+    return name
+
+
+def _check_endpoint(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if scheme not in ("http", "https") or not sep or not rest or any(c.isspace() for c in url):
+        raise ValueError(f"endpoint {url!r} must be an http:// or https:// URL with no spaces")
+    return url
+
+
+def _check_iso(text: str) -> str:
+    try:
+        parse_iso(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an ISO-8601 time such as 2026-10-08T14:02:00Z") from None
+    return text
+
+
+UnitName = Annotated[str, AfterValidator(_check_unit)]
+Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
+IsoTime = Annotated[str, AfterValidator(_check_iso)]
+DeviceKey = Annotated[str, Field(pattern=DEVICE_KEY_RE)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+Mib = Annotated[float, Field(ge=0)]
+Cells = Annotated[int, Field(ge=1)]
+
+
+# --------------------------------------------------------------------------- file schema
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class DeviceDoc(_Doc):
+    kind: Literal["gpu", "cpu"]
+    total_mib: Annotated[int, Field(ge=1)]
+    reserved_mib: Annotated[int, Field(ge=0)]
+    name: str = ""
+    reserve_reason: str = ""
+    uuid: NonEmpty | None = None
+
+
+class DeviceOverlayDoc(_Doc):
+    """A device in the local file: any subset of fields, each overriding the repo's."""
+
+    kind: Literal["gpu", "cpu"] | None = None
+    total_mib: Annotated[int, Field(ge=1)] | None = None
+    reserved_mib: Annotated[int, Field(ge=0)] | None = None
+    name: str | None = None
+    reserve_reason: str | None = None
+    uuid: NonEmpty | None = None
+
+
+class MeasuredConfigDoc(_Doc):
+    status: Literal["measured"] = "measured"
+    resident_gpu_mib: Mib
+    host_rss_mib: Mib
+    context_pool_cells: Cells | None = None
+    per_session_cap_cells: Cells | None = None
+    kv_resident_cells: Annotated[int, Field(ge=0)] | None = None
+    kv_mib_per_1k_cells: Mib | None = None
+    kv: NonEmpty | None = None
+    measured_at: IsoTime | None = None
+    measured_on: NonEmpty | None = None
+    flags: list[str] = []
+    unit: UnitName | None = None
+    endpoint: Endpoint | None = None
+    # Diagnostics `measure` records alongside the footprint (spec §4.1.1); never in the cost.
+    expert_cache_mib: Mib | None = None
+    arena_mib: Mib | None = None
+    host_free_mib: Mib | None = None
+
+
+class UnmeasuredConfigDoc(_Doc):
+    status: Literal["unmeasured"]
+    unit: UnitName | None = None
+    endpoint: Endpoint | None = None
+
+
+def _config_tag(raw: Any) -> str:
+    if isinstance(raw, dict) and raw.get("status") == "unmeasured":
+        return "unmeasured"
+    return "measured"
+
+
+ConfigDoc = Annotated[
+    Annotated[MeasuredConfigDoc, Tag("measured")]
+    | Annotated[UnmeasuredConfigDoc, Tag("unmeasured")],
+    Discriminator(_config_tag),
+]
+
+
+class AffinityDoc(_Doc):
+    device: list[NonEmpty] = []
+
+
+class ModelDoc(_Doc):
+    display: NonEmpty
+    engine: NonEmpty
+    configs: Annotated[dict[NonEmpty, ConfigDoc], Field(min_length=1)]
+    unit: UnitName | None = None
+    launch: str | None = None
+    profile: str | None = None
+    endpoint: Endpoint | None = None
+    service: NonEmpty | None = None
+    rails: Annotated[int, Field(ge=1)] | None = None
+    rails_source: str | None = None
+    task_affinity: list[NonEmpty] = []
+    affinity: AffinityDoc | None = None
+    advertises: list[NonEmpty] = []
+
+
+class ModelOverlayDoc(_Doc):
+    """A model in the local file: fields override the repo's; configs replace per key."""
+
+    display: NonEmpty | None = None
+    engine: NonEmpty | None = None
+    configs: dict[NonEmpty, ConfigDoc] = {}
+    unit: UnitName | None = None
+    launch: str | None = None
+    profile: str | None = None
+    endpoint: Endpoint | None = None
+    service: NonEmpty | None = None
+    rails: Annotated[int, Field(ge=1)] | None = None
+    rails_source: str | None = None
+    task_affinity: list[NonEmpty] | None = None
+    affinity: AffinityDoc | None = None
+    advertises: list[NonEmpty] | None = None
+
+
+class RegistryDoc(_Doc):
+    version: Literal[1]
+    devices: dict[DeviceKey, DeviceDoc] = {}
+    models: dict[NonEmpty, ModelDoc] = {}
+
+
+class LocalRegistryDoc(_Doc):
+    version: Literal[1] = 1
+    devices: dict[DeviceKey, DeviceOverlayDoc] = {}
+    models: dict[NonEmpty, ModelOverlayDoc] = {}
+
+
+DocT = TypeVar("DocT", bound=BaseModel)
+
+
+def _parse(doc_type: type[DocT], raw: Any, file: Path, prefix: tuple[str | int, ...] = ()) -> DocT:
+    """Validate ``raw``; every problem becomes a :class:`ConfigFileError` at ``prefix + loc``."""
+    try:
+        return doc_type.model_validate(raw)
+    except ValidationError as exc:
+        _raise_all(validation_errors(exc, file, prefix))
+        raise  # unreachable: a ValidationError always carries at least one error
+
+
+# --------------------------------------------------------------------------- merge
+
+
+@dataclass(frozen=True)
+class RegistryLoad:
+    """The merged registry and how it was made."""
+
+    registry: Registry
+    errors: tuple[ConfigFileError, ...]
+    """Problems with the local file; when not empty, the local file was ignored whole."""
+    repo_path: Path
+    local_path: Path | None
+    model_provenance: Mapping[str, Mapping[str, Provenance]] = field(default_factory=dict)
+    """Per model, per top-level field (``configs`` excluded): which file it came from."""
+
+    def file_for(self, provenance: Provenance) -> Path:
+        """The file an entry with this provenance came from."""
+        if provenance == "local" and self.local_path is not None:
+            return self.local_path
+        return self.repo_path
+
+
+@dataclass(frozen=True)
+class _Sources:
+    repo: RegistryDoc
+    local: LocalRegistryDoc | None
+    repo_path: Path
+    local_path: Path | None
+
+    def file(self, provenance: Provenance) -> Path:
+        if provenance == "local" and self.local_path is not None:
+            return self.local_path
+        return self.repo_path
+
+
+def _origin(name: str, overlay: Mapping[str, Any]) -> Provenance:
+    return "local" if name in overlay else "repo"
+
+
+def _merge_device(src: _Sources, key: str) -> Device:
+    base = src.repo.devices[key].model_dump(exclude_unset=True) if key in src.repo.devices else {}
+    local_devices = src.local.devices if src.local else {}
+    over = local_devices[key].model_dump(exclude_unset=True) if key in local_devices else {}
+    merged = {**base, **over}
+    doc = _parse(DeviceDoc, merged, src.file("local"), ("devices", key))
+    return Device(
+        key=key,
+        kind=DeviceKind(doc.kind),
+        total_mib=doc.total_mib,
+        reserved_mib=doc.reserved_mib,
+        name=doc.name,
+        uuid=doc.uuid,
+        reserve_reason=doc.reserve_reason,
+        provenance={name: _origin(name, over) for name in merged},
+    )
+
+
+def _config(key: str, doc: MeasuredConfigDoc | UnmeasuredConfigDoc, origin: Provenance) -> Config:
+    if isinstance(doc, UnmeasuredConfigDoc):
+        return Config(
+            key=key,
+            status=ConfigStatus.UNMEASURED,
+            unit=doc.unit,
+            endpoint=doc.endpoint,
+            provenance=origin,
+        )
+    return Config(
+        key=key,
+        status=ConfigStatus.MEASURED,
+        resident_gpu_mib=doc.resident_gpu_mib,
+        host_rss_mib=doc.host_rss_mib,
+        context_pool_cells=doc.context_pool_cells,
+        per_session_cap_cells=doc.per_session_cap_cells,
+        kv_resident_cells=doc.kv_resident_cells,
+        kv_mib_per_1k_cells=doc.kv_mib_per_1k_cells,
+        kv=doc.kv,
+        measured_at=doc.measured_at,
+        measured_on=doc.measured_on,
+        flags=tuple(doc.flags),
+        unit=doc.unit,
+        endpoint=doc.endpoint,
+        provenance=origin,
+    )
+
+
+def _merge_model(src: _Sources, key: str) -> tuple[Model, dict[str, Provenance]]:
+    repo_doc = src.repo.models.get(key)
+    over_doc = src.local.models.get(key) if src.local else None
+    base = repo_doc.model_dump(exclude_unset=True, exclude={"configs"}) if repo_doc else {}
+    over = over_doc.model_dump(exclude_unset=True, exclude={"configs"}) if over_doc else {}
+    repo_configs = dict(repo_doc.configs) if repo_doc else {}
+    local_configs = dict(over_doc.configs) if over_doc else {}
+    configs = {**repo_configs, **local_configs}
+    merged = {
+        **base,
+        **over,
+        "configs": {k: c.model_dump(exclude_unset=True) for k, c in configs.items()},
+    }
+    doc = _parse(ModelDoc, merged, src.file("local"), ("models", key))
+    model = Model(
+        key=key,
+        display=doc.display,
+        engine=doc.engine,
+        configs={
+            name: _config(name, config, _origin(name, local_configs))
+            for name, config in doc.configs.items()
+        },
+        unit=doc.unit,
+        endpoint=doc.endpoint,
+        launch=doc.launch,
+        profile=doc.profile,
+        service=doc.service,
+        rails=doc.rails,
+        rails_source=doc.rails_source,
+        task_affinity=tuple(doc.task_affinity),
+        affinity_devices=tuple(doc.affinity.device) if doc.affinity else (),
+        advertises=tuple(doc.advertises),
+    )
+    return model, {name: _origin(name, over) for name in {**base, **over}}
+
+
+def _ordered_keys(repo: Iterable[str], local: Iterable[str]) -> list[str]:
+    keys = list(repo)
+    keys += [k for k in local if k not in keys]
+    return keys
+
+
+def _reference_errors(
+    src: _Sources,
+    devices: Mapping[str, Device],
+    models: Mapping[str, Model],
+    model_provenance: Mapping[str, Mapping[str, Provenance]],
+) -> list[ConfigFileError]:
+    """Device names a model or config uses must be declared (in the merged devices)."""
+    declared = ", ".join(devices) or "none"
+    errors: list[ConfigFileError] = []
+    for model in models.values():
+        origin = model_provenance[model.key].get("affinity", "repo")
+        for index, device in enumerate(model.affinity_devices):
+            if device not in devices:
+                errors.append(
+                    ConfigFileError(
+                        src.file(origin),
+                        json_path(("models", model.key, "affinity", "device", index)),
+                        f"unknown device {device!r} (declared: {declared})",
+                    )
+                )
+        for config in model.configs.values():
+            if config.measured_on is not None and config.measured_on not in devices:
+                errors.append(
+                    ConfigFileError(
+                        src.file(config.provenance),
+                        json_path(("models", model.key, "configs", config.key, "measured_on")),
+                        f"unknown device {config.measured_on!r} (declared: {declared})",
+                    )
+                )
+    # The repo's own mistakes first: they are fatal, the local file's are not.
+    return sorted(errors, key=lambda err: err.file != src.repo_path)
+
+
+def _build(src: _Sources) -> tuple[Registry, dict[str, dict[str, Provenance]]]:
+    local_devices = src.local.devices if src.local else {}
+    local_models = src.local.models if src.local else {}
+    devices = {
+        key: _merge_device(src, key) for key in _ordered_keys(src.repo.devices, local_devices)
+    }
+    models: dict[str, Model] = {}
+    model_provenance: dict[str, dict[str, Provenance]] = {}
+    for key in _ordered_keys(src.repo.models, local_models):
+        models[key], model_provenance[key] = _merge_model(src, key)
+    _raise_all(_reference_errors(src, devices, models, model_provenance))
+    return Registry(devices=devices, models=models), model_provenance
+
+
+def load_registry(repo_path: Path, local_path: Path | None) -> RegistryLoad:
+    """Load the repo registry and merge the machine-local one over it.
+
+    Raises :class:`ConfigFileError` only when the repo file is invalid. A local file
+    that is unreadable or invalid is ignored whole (a half-applied measurement file is
+    worse than none) and reported in :attr:`RegistryLoad.errors`; a missing one is normal.
+    """
+    repo = _parse(RegistryDoc, read_json(repo_path), repo_path)
+    errors: tuple[ConfigFileError, ...] = ()
+    if local_path is not None and local_path.exists():
+        try:
+            local = _parse(LocalRegistryDoc, read_json(local_path), local_path)
+            registry, provenance = _build(_Sources(repo, local, repo_path, local_path))
+            return RegistryLoad(registry, (), repo_path, local_path, provenance)
+        except ConfigFileError as err:
+            if err.file == repo_path:
+                raise
+            errors = err.every()
+    registry, provenance = _build(_Sources(repo, None, repo_path, local_path))
+    return RegistryLoad(registry, errors, repo_path, local_path, provenance)
+
+
+def provenance_rows(load: RegistryLoad) -> list[dict[str, str]]:
+    """Which file each device field, model field and config came from, for ``validate``.
+
+    Each row: ``kind`` (``device`` | ``model`` | ``config``), ``entry`` (JSON path of the
+    entry), ``field`` (``*`` for a whole config), ``source`` (``repo`` | ``local``),
+    ``file``.
+    """
+    rows: list[dict[str, str]] = []
+
+    def add(kind: str, entry: str, field_name: str, source: Provenance) -> None:
+        rows.append(
+            {
+                "kind": kind,
+                "entry": entry,
+                "field": field_name,
+                "source": source,
+                "file": str(load.file_for(source)),
+            }
+        )
+
+    for device in load.registry.devices.values():
+        for field_name, source in device.provenance.items():
+            add("device", json_path(("devices", device.key)), field_name, source)
+    for model in load.registry.models.values():
+        for field_name, source in load.model_provenance.get(model.key, {}).items():
+            add("model", json_path(("models", model.key)), field_name, source)
+        for config in model.configs.values():
+            entry = json_path(("models", model.key, "configs", config.key))
+            add("config", entry, "*", config.provenance)
+    return rows
+
+
+# --------------------------------------------------------------------------- local writes
+
+
+def write_local_measurement(
+    local_path: Path, model: str, config: str, fields: Mapping[str, Any]
+) -> None:
+    """Record one config's measurement in the machine-local file, replacing that config whole.
+
+    Everything else in the file is kept. The result is validated before the file is
+    replaced, and the replacement is atomic (temp file, fsync, rename): a reader sees
+    the old file or the new one, never half of either.
+    """
+    doc = _read_for_update(local_path)
+    models = _object_at(doc, ("models",), local_path)
+    _object_at(models, ("models", model), local_path)
+    configs = _object_at(models[model], ("models", model, "configs"), local_path)
+    configs[config] = dict(fields)
+    _replace_local(local_path, doc)
+
+
+def write_local_device(local_path: Path, device: str, fields: Mapping[str, Any]) -> None:
+    """Override device fields (``reserved_mib``, ``total_mib``, ``uuid`` …) in the local file.
+
+    Field-wise: fields not named keep their value. Same validation and atomicity as
+    :func:`write_local_measurement`.
+    """
+    doc = _read_for_update(local_path)
+    devices = _object_at(doc, ("devices",), local_path)
+    entry = _object_at(devices, ("devices", device), local_path)
+    entry.update(fields)
+    _replace_local(local_path, doc)
+
+
+def _read_for_update(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {"version": 1}
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ConfigFileError(path, "$", "expected a JSON object at the top level")
+    return raw
+
+
+def _object_at(parent: dict[str, Any], loc: tuple[str, ...], file: Path) -> dict[str, Any]:
+    value = parent.setdefault(loc[-1], {})
+    if not isinstance(value, dict):
+        raise ConfigFileError(file, json_path(loc), "expected a JSON object")
+    return value
+
+
+def _replace_local(path: Path, doc: dict[str, Any]) -> None:
+    _parse(LocalRegistryDoc, doc, path)
+    text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    try:
+        atomic_write_text(path, text)
+    except OSError as exc:
+        raise ConfigFileError(path, "$", f"cannot write: {exc}") from None
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that a crash leaves the old file or the new one.
+
+    Keeps the existing file's permission bits (0644 for a new file).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp_name, mode)
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename is only durable once the directory entry is on disk.
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
