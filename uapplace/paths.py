@@ -16,10 +16,16 @@ Knobs:
 ``UAPPLACE_SIM_GPU``       simulated GPU state file; when set, it replaces NVML
 ``XDG_RUNTIME_DIR``        the shim token lives in ``$XDG_RUNTIME_DIR/uapplace/token``
 ``XDG_CONFIG_HOME``        Conflicts= drop-ins go under ``$XDG_CONFIG_HOME/systemd/user``
+                           (so does ``uapplaced.service`` from ``uapplace install``)
+``XDG_DATA_HOME``          ``uapplace install`` writes the D-Bus activation file to
+                           ``$XDG_DATA_HOME/dbus-1/services``
 ``UAP_PROXY_URL``          the proxy's base URL, default ``http://127.0.0.1:4000``
 ``PROXY_AUTH_TOKEN``       bearer token for the proxy's internal routes; else the last
                            ``PROXY_AUTH_TOKEN=`` line of ``~/.config/uap/anthropic-proxy.env``
 ``UAPPLACE_SHIM_PORT``     the shim's port, default 3847
+``UAPPLACE_SYSTEM_BUS_ADDRESS``  the system bus asked for polkit; else
+                           ``DBUS_SYSTEM_BUS_ADDRESS``, else the standard socket;
+                           set but empty → no system bus (same-uid checks only)
 =========================  ==================================================
 """
 
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 BUS_NAME = "org.uap.Placement1"
@@ -35,6 +41,7 @@ OBJECT_PATH = "/org/uap/Placement1"
 INTERFACE = "org.uap.Placement1"
 DEFAULT_SHIM_PORT = 3847
 DEFAULT_PROXY_URL = "http://127.0.0.1:4000"
+DEFAULT_SYSTEM_BUS_ADDRESS = "unix:path=/run/dbus/system_bus_socket"
 
 _REPO_CONFIG = Path(__file__).resolve().parent.parent / "config"
 
@@ -51,6 +58,10 @@ class Paths:
     proxy_env_file: Path
     proxy_token_env: str | None
     shim_port: int
+    system_bus_address: str | None = DEFAULT_SYSTEM_BUS_ADDRESS
+    """Where polkit is asked; ``None`` → no system bus, only the daemon's own uid may mutate."""
+    data_home: Path = field(default_factory=lambda: Path.home() / ".local" / "share")
+    """``XDG_DATA_HOME``: ``uapplace install`` puts the D-Bus activation file under it."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Paths:
@@ -72,6 +83,8 @@ class Paths:
             proxy_env_file=config_home / "uap" / "anthropic-proxy.env",
             proxy_token_env=env.get("PROXY_AUTH_TOKEN") or None,
             shim_port=int(port_text) if port_text.isdigit() else DEFAULT_SHIM_PORT,
+            system_bus_address=_system_bus_address(env),
+            data_home=Path(env.get("XDG_DATA_HOME") or home / ".local" / "share"),
         )
 
     @property
@@ -89,6 +102,11 @@ class Paths:
     @property
     def capacity_policy(self) -> Path:
         return self.config_dir / "capacity-policy.json"
+
+    @property
+    def dbus_services_dir(self) -> Path:
+        """Where the session bus looks for activation files of the user's own services."""
+        return self.data_home / "dbus-1" / "services"
 
     @property
     def token_file(self) -> Path:
@@ -112,3 +130,9 @@ class Paths:
             if line.startswith("PROXY_AUTH_TOKEN="):
                 token = line.split("=", 1)[1].strip().strip('"').strip("'") or None
         return token
+
+
+def _system_bus_address(env: Mapping[str, str]) -> str | None:
+    if "UAPPLACE_SYSTEM_BUS_ADDRESS" in env:
+        return env["UAPPLACE_SYSTEM_BUS_ADDRESS"] or None
+    return env.get("DBUS_SYSTEM_BUS_ADDRESS") or DEFAULT_SYSTEM_BUS_ADDRESS
