@@ -1,0 +1,662 @@
+"""Placement options for one requested id, and the impact preview (spec §4.4, §4.5).
+
+``plan`` answers "what can this machine do for <id> right now": reuse a
+resident, load a measured config alongside what is loaded, or displace a
+minimal set of residents. Every rejected candidate gets one human line naming
+the device and the number that failed, so the operator can see why.
+
+Rules that are easy to get wrong, all fail-closed:
+
+- The GPU budget is a sum: ``total − reserved − Σ gpu_mib of everything that
+  stays loaded``. A free-memory reading is never the budget; a probe is only
+  used to tell whether a device is there at all (``source=absent``).
+- A resident with an unknown ``gpu_mib`` makes its device's budget unknown:
+  nothing loads on that device, and it is never a victim.
+- Only measured configs (``Config.is_measured``) whose ``measured_on`` names
+  the candidate device are loaded. Unmeasured residents may be reused, never
+  displaced.
+- Host RAM is a hard gate on ``cpu0``: the config's ``host_rss_mib`` must fit
+  in the probe's MemAvailable, plus what the victims free, minus the host
+  reserve.
+- A resident held on the bus (a ``hold`` holder) is never a victim.
+- Two residents cannot share one systemd unit: a resident that runs the
+  candidate's unit on the same device must be among the victims, and one on
+  another device makes the candidate infeasible.
+
+``paused`` residents are not offered for reuse: a paused resident cannot serve
+a request (admission does not forward to it either), so "reuse" would promise
+a forward that never comes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from uapplace.model import (
+    DEFAULT_CELLS,
+    Config,
+    Device,
+    DeviceKind,
+    DeviceReading,
+    Model,
+    Option,
+    OptionKind,
+    Plan,
+    PreviewReason,
+    ProbeSource,
+    Registry,
+    Resident,
+    ResidentState,
+    Victim,
+    cost_mib,
+)
+
+_EPSILON_MIB = 1e-6
+"""Float noise tolerated when comparing a cost with a budget (cost math makes fractions)."""
+
+_NOT_SERVING = (ResidentState.DRAINING, ResidentState.PAUSED)
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """Everything ``plan`` reads: the registry, the ledger's residents, the probes.
+
+    ``residents`` carry their ``holders`` (proxy in-flight requests, kind
+    ``inflight``, and bus holds, kind ``hold``). ``inflight_known=False`` means
+    the proxy did not answer: every victim's ``in_flight`` is then ``None``.
+    """
+
+    registry: Registry
+    residents: Sequence[Resident]
+    readings: Mapping[str, DeviceReading]
+    inflight_known: bool = True
+
+
+# --------------------------------------------------------------------------- public entry points
+
+
+def plan(
+    inp: PlanInput, requested: str, cells: int = DEFAULT_CELLS, task: str | None = None
+) -> Plan:
+    """The ranked options for ``requested`` at ``cells`` of context (spec §4.4).
+
+    ``task`` (``code``, ``general``…) is optional: the admit path carries none.
+    It only affects ``affinity_match`` on ``load_alongside`` options; see
+    :func:`affinity_match`.
+    """
+    if cells <= 0:
+        raise ValueError(f"cells: must be a positive integer, got {cells}")
+    reuse = tuple(_reuse_options(inp, requested))
+    resolved = inp.registry.resolve(requested) if requested else None
+    if resolved is None:
+        reason = PreviewReason.OK if reuse else PreviewReason.NOT_IN_REGISTRY
+        return Plan(requested, reason, reuse, ())
+    model, pinned = resolved
+    configs = (pinned,) if pinned is not None else tuple(model.configs.values())
+    infeasible = [
+        f"{model.key}/{c.key}: unmeasured; never loaded until a measurement is recorded"
+        for c in configs
+        if not c.is_measured
+    ]
+    measured = [c for c in configs if c.is_measured]
+    search = _Search(inp, requested, cells, task, model)
+    options = list(reuse)
+    for config in measured:
+        for device_key in candidate_devices(inp.registry, model):
+            outcome = search.place(config, device_key)
+            if isinstance(outcome, Option):
+                options.append(outcome)
+            elif outcome is not None:
+                infeasible.append(outcome)
+    ranked = rank_options(options)
+    if ranked:
+        reason = PreviewReason.OK
+    elif not measured:
+        reason = PreviewReason.NO_MEASURED_CONFIG
+    else:
+        reason = PreviewReason.NO_FEASIBLE_OPTION
+    return Plan(requested, reason, ranked, tuple(infeasible))
+
+
+def plan_unload(inp: PlanInput, model: str) -> tuple[Victim, ...]:
+    """The residents an ``Unload(model)`` would stop, as preview victims.
+
+    ``model`` is matched like a request: model key, config key or advertised
+    id. Raises ``KeyError`` when nothing resident matches.
+    """
+    matched = [r for r in inp.residents if serves(inp.registry, r, model)]
+    if not matched:
+        raise KeyError(f"{model!r} is not resident")
+    matched.sort(key=lambda r: (r.signature, r.device))
+    return tuple(victim_of(inp.registry, r, inp.inflight_known) for r in matched)
+
+
+def rank_options(options: Iterable[Option]) -> tuple[Option, ...]:
+    """Spec §4.4 order: reuse > load_alongside with affinity > load_alongside >
+    displace freeing the fewest MiB > … > the most. Ties: fewer victims, then
+    device and config key, so the order is deterministic."""
+
+    def key(option: Option) -> tuple[int, int, float, int, str, str, str]:
+        if option.kind is OptionKind.REUSE:
+            return (0, 0, 0.0, 0, option.device, option.model, option.config)
+        if option.kind is OptionKind.LOAD_ALONGSIDE:
+            rank = 0 if option.affinity_match else 1
+            return (1, rank, 0.0, 0, option.device, option.model, option.config)
+        return (
+            2,
+            0,
+            option.frees_mib,
+            len(option.victims),
+            option.device,
+            option.model,
+            option.config,
+        )
+
+    return tuple(sorted(options, key=key))
+
+
+def affinity_match(model: Model, device_key: str, task: str | None = None) -> bool:
+    """Whether loading ``model`` on ``device_key`` matches the model's stated affinity.
+
+    With a ``task``: the model lists it in ``task_affinity`` and the device is
+    one of its ``affinity_devices`` (or the model names none). Without one (the
+    admit path carries no task): the device is one of the model's
+    ``affinity_devices``, so a model that states no device affinity matches
+    nothing. Since every option of one plan is for one model, the flag mostly
+    tells the operator whether the placement follows the registry's stated
+    preference; the ranking still puts matching options first.
+    """
+    on_device = device_key in model.affinity_devices
+    if task is None:
+        return on_device
+    return task in model.task_affinity and (on_device or not model.affinity_devices)
+
+
+def candidate_devices(registry: Registry, model: Model) -> tuple[str, ...]:
+    """The devices a model may load on: its ``affinity_devices``, else every GPU."""
+    if model.affinity_devices:
+        return model.affinity_devices
+    return tuple(d.key for d in registry.gpus())
+
+
+# --------------------------------------------------------------------------- residents
+
+
+def model_of(registry: Registry, resident: Resident) -> Model | None:
+    """The registry model a resident runs (its ``model`` is normally the model key)."""
+    found = registry.models.get(resident.model)
+    if found is not None:
+        return found
+    resolved = registry.resolve(resident.model)
+    return resolved[0] if resolved is not None else None
+
+
+def config_of(registry: Registry, resident: Resident) -> Config | None:
+    model = model_of(registry, resident)
+    return model.configs.get(resident.config) if model is not None else None
+
+
+def serves(registry: Registry, resident: Resident, model_id: str) -> bool:
+    """CONTRACT.md §1: the id is the resident's model key, its config key or an advertised id."""
+    if not model_id:
+        return False
+    if model_id in (resident.model, resident.config):
+        return True
+    model = model_of(registry, resident)
+    return model is not None and model_id in model.advertises
+
+
+def holds(resident: Resident) -> list[str]:
+    """``held by <app_id>: <reason>`` for each bus hold on the resident."""
+    return [
+        f"held by {h.client}: {h.detail}" if h.detail else f"held by {h.client}"
+        for h in resident.holders
+        if h.kind == "hold"
+    ]
+
+
+def in_flight(resident: Resident, inflight_known: bool) -> bool | None:
+    """``None`` when the proxy did not answer (unknown counts as busy, never idle)."""
+    if not inflight_known:
+        return None
+    return any(h.kind == "inflight" for h in resident.holders)
+
+
+def consequence(state: ResidentState, busy: bool | None) -> str:
+    """Spec §4.5: what stopping a resident in ``state`` costs its users."""
+    if state is ResidentState.HOT:
+        if busy is True:
+            return "active generation aborted; context lost"
+        if busy is None:
+            return (
+                "in-flight work unknown (the proxy did not answer), counted as busy: "
+                "an active generation may be aborted; context lost"
+            )
+        return "session idle, context lost, reload needed"
+    if state is ResidentState.WARMING:
+        return "load wasted; VRAM returns on stop"
+    if state is ResidentState.PAUSED:
+        return "already offloaded; restore path lost"
+    if busy is True:
+        return "already draining; stopping now aborts the generation still in flight; context lost"
+    if busy is None:
+        return (
+            "already draining; in-flight work unknown (the proxy did not answer), counted as "
+            "busy: a generation may be aborted; context lost"
+        )
+    return "already draining and idle; the stop completes the drain, reload needed"
+
+
+def victim_of(registry: Registry, resident: Resident, inflight_known: bool) -> Victim:
+    busy = in_flight(resident, inflight_known)
+    text = consequence(resident.state, busy)
+    if resident.gpu_mib is None:
+        text += "; VRAM it frees is unknown (footprint not measured)"
+    config = config_of(registry, resident)
+    reload_mib = config.resident_gpu_mib if config is not None and config.is_measured else None
+    return Victim(
+        model=resident.model,
+        config=resident.config,
+        state=resident.state,
+        device=resident.device,
+        holders=resident.holders,
+        in_flight=busy,
+        frees_mib=resident.gpu_mib or 0.0,
+        consequence=text,
+        reload_mib=reload_mib if reload_mib is not None else resident.gpu_mib,
+    )
+
+
+def _reuse_options(inp: PlanInput, requested: str) -> list[Option]:
+    return [
+        Option(OptionKind.REUSE, r.model, r.config, r.device, cost_mib=0.0)
+        for r in inp.residents
+        if r.state not in _NOT_SERVING and serves(inp.registry, r, requested)
+    ]
+
+
+# --------------------------------------------------------------------------- minimal eviction set
+
+
+@dataclass(frozen=True)
+class EvictionItem:
+    """One eligible victim in integer MiB: what it frees on the GPU and on the host."""
+
+    resident: Resident
+    gpu_mib: int
+    host_mib: int
+
+
+def minimal_eviction(
+    items: Sequence[EvictionItem], need_gpu: int, need_host: int = 0
+) -> tuple[EvictionItem, ...] | None:
+    """The exact minimal set freeing ``≥ need_gpu`` GPU MiB and ``≥ need_host`` host MiB.
+
+    Minimal means, in order: the fewest GPU MiB freed, then the fewest victims,
+    then the lexically smallest sorted list of ``model/config`` signatures.
+    ``()`` when nothing needs freeing, ``None`` when even every item together
+    is not enough. Fractions are the caller's business: pass what each victim
+    frees rounded down and the need rounded up.
+
+    Both methods below are exact subset-sum searches over integer MiB; neither
+    is greedy (largest-first and smallest-first both miss the optimum).
+    """
+    need_gpu = max(0, need_gpu)
+    need_host = max(0, need_host)
+    if need_gpu == 0 and need_host == 0:
+        return ()
+    ordered = sorted(items, key=lambda it: (it.resident.signature, it.resident.device))
+    if need_host == 0:
+        chosen = _fewest_mib_bitsets([it.gpu_mib for it in ordered], need_gpu)
+    else:
+        chosen = _fewest_mib_states(ordered, need_gpu, need_host)
+    return None if chosen is None else tuple(ordered[i] for i in chosen)
+
+
+def _lowest_bit_from(bits: int, start: int) -> int | None:
+    high = bits >> start
+    return None if high == 0 else start + (high & -high).bit_length() - 1
+
+
+def _fewest_mib_bitsets(weights: Sequence[int], need: int) -> tuple[int, ...] | None:
+    """GPU need only: reachable sums as integer bitsets, layered by victim count.
+
+    ``layers[k]`` has bit ``s`` set when some k items sum to exactly ``s``. Only
+    sums below ``need + max weight`` matter (a minimal set minus any member
+    falls short), which bounds every bitset. First pass: the smallest sum
+    ``≥ need`` and the fewest items reaching it. Second pass: the same layers
+    over each suffix ``items[i:]``, so the lexically first set is picked item by
+    item. Cost: O(n²) shifts of (need + max weight)-bit integers, each a few
+    hundred machine words on a 24 GiB card: well under a millisecond for 64
+    residents, and independent of how the sums are spread.
+    """
+    if not weights:
+        return None
+    width = need + max(weights)
+    mask = (1 << width) - 1
+    layers = [1] + [0] * len(weights)
+    for weight in weights:
+        for count in range(len(weights), 0, -1):
+            layers[count] |= (layers[count - 1] << weight) & mask
+    reach = 0
+    for layer in layers:
+        reach |= layer
+    target = _lowest_bit_from(reach, need)
+    if target is None:
+        return None
+    fewest = next(k for k, layer in enumerate(layers) if layer >> target & 1)
+    # suffix[i][k]: sums of exactly k items among weights[i:], for k ≤ fewest.
+    suffix = [[1] + [0] * fewest]
+    for weight in reversed(weights):
+        after = suffix[-1]
+        here = [after[0]] + [
+            after[k] | ((after[k - 1] << weight) & mask) for k in range(1, fewest + 1)
+        ]
+        suffix.append(here)
+    suffix.reverse()
+    chosen: list[int] = []
+    left, count = target, fewest
+    for index, weight in enumerate(weights):
+        if count == 0:
+            break
+        if weight <= left and suffix[index + 1][count - 1] >> (left - weight) & 1:
+            chosen.append(index)
+            left -= weight
+            count -= 1
+    return tuple(chosen)
+
+
+def _fewest_mib_states(
+    ordered: Sequence[EvictionItem], need_gpu: int, need_host: int
+) -> tuple[int, ...] | None:
+    """GPU and host need: a dynamic programme over (GPU MiB, host MiB capped at the need).
+
+    Items come in signature order, so adding one appends it to every set's
+    sorted signature list and keeps the (count, lexical) order between two
+    sets: keeping only the best set per state is exact. A set meeting both
+    needs is finished and never extended (a superset frees more); a set that
+    can no longer reach the need, or frees more GPU MiB than the best finished
+    one, is dropped. Cost: O(n · S) for S ≤ min(2ⁿ, (need_gpu + max weight) ·
+    (need_host + 1)) states. It only runs when host RAM is short, which with a
+    handful of residents per device stays in milliseconds; it grows
+    exponentially past about 20 residents on one device.
+    """
+    left_gpu = list(itertools.accumulate(reversed([it.gpu_mib for it in ordered]), initial=0))
+    left_host = list(itertools.accumulate(reversed([it.host_mib for it in ordered]), initial=0))
+    left_gpu.reverse()
+    left_host.reverse()
+    # (gpu freed, host freed capped at the need) -> (victim count, indices)
+    states: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {(0, 0): (0, ())}
+    best: tuple[int, int, tuple[int, ...]] | None = None
+    for index, item in enumerate(ordered):
+        for (gpu, host), (count, chosen) in list(states.items()):
+            if (
+                gpu + left_gpu[index] < need_gpu
+                or host + left_host[index] < need_host
+                or (best is not None and gpu > best[0])
+            ):
+                del states[(gpu, host)]
+                continue
+            key = (gpu + item.gpu_mib, min(need_host, host + item.host_mib))
+            grown = (count + 1, (*chosen, index))
+            if key[0] >= need_gpu and key[1] >= need_host:
+                if best is None or (key[0], *grown) < best:
+                    best = (key[0], *grown)
+                continue
+            current = states.get(key)
+            if current is None or grown < current:
+                states[key] = grown
+    return None if best is None else best[2]
+
+
+# --------------------------------------------------------------------------- one candidate
+
+
+def _fmt(mib: float) -> str:
+    """MiB for a human: integers bare, fractions to the spec's three decimals."""
+    rounded = round(mib, 3)
+    return str(int(rounded)) if float(rounded).is_integer() else f"{rounded:.3f}"
+
+
+def _ceil_mib(mib: float) -> int:
+    return math.ceil(mib - _EPSILON_MIB)
+
+
+@dataclass(frozen=True)
+class _Budget:
+    """One device's arithmetic for one candidate."""
+
+    device: Device
+    host: Device
+    host_free_mib: float
+    cost: float
+    on_device: tuple[Resident, ...]
+
+    @property
+    def gpu_loaded(self) -> float:
+        return sum(r.gpu_mib or 0.0 for r in self.on_device)
+
+    @property
+    def gpu_room(self) -> float:
+        """What is left for the candidate with everything on the device staying loaded."""
+        return self.device.total_mib - self.device.reserved_mib - self.gpu_loaded
+
+    @property
+    def gpu_need(self) -> float:
+        """MiB the victims must free on the device; a CPU device has no GPU budget."""
+        if self.device.kind is not DeviceKind.GPU:
+            return 0.0
+        return self.cost - self.gpu_room
+
+    @property
+    def host_room(self) -> float:
+        return self.host_free_mib - self.host.reserved_mib
+
+
+class _Search:
+    """The candidates of one plan: shared inputs, one ``place`` per (config, device)."""
+
+    def __init__(
+        self, inp: PlanInput, requested: str, cells: int, task: str | None, model: Model
+    ) -> None:
+        self.inp = inp
+        self.registry = inp.registry
+        self.requested = requested
+        self.cells = cells
+        self.task = task
+        self.model = model
+
+    def place(self, config: Config, device_key: str) -> Option | str | None:
+        """An option, a line saying why not, or ``None`` when reuse already covers it."""
+        label = f"{self.model.key}/{config.key}"
+        twin = self._same_config_resident(config)
+        if twin is not None:
+            if twin.state not in _NOT_SERVING:
+                return None
+            return f"{device_key}: {label} is already resident on {twin.device} ({twin.state})"
+        budget = self._budget(config, device_key, label)
+        if isinstance(budget, str):
+            return budget
+        required, clash = self._unit_clash(config, device_key)
+        if clash is not None:
+            return f"{device_key}: {clash}"
+        gpu_need = budget.gpu_need
+        host_need = (config.host_rss_mib or 0.0) - budget.host_room
+        if gpu_need <= _EPSILON_MIB and host_need <= _EPSILON_MIB and not required:
+            return Option(
+                OptionKind.LOAD_ALONGSIDE,
+                self.model.key,
+                config.key,
+                device_key,
+                budget.cost,
+                affinity_match=affinity_match(self.model, device_key, self.task),
+            )
+        return self._displace(config, label, budget, required, gpu_need, host_need)
+
+    def _same_config_resident(self, config: Config) -> Resident | None:
+        return next(
+            (
+                r
+                for r in self.inp.residents
+                if r.config == config.key and model_of(self.registry, r) is self.model
+            ),
+            None,
+        )
+
+    def _budget(self, config: Config, device_key: str, label: str) -> _Budget | str:
+        device = self.registry.devices.get(device_key)
+        if device is None:
+            return f"{device_key}: not a device in the registry"
+        if device.kind is DeviceKind.GPU:
+            unavailable = _unavailable(device_key, self.inp.readings.get(device_key))
+            if unavailable is not None:
+                return unavailable
+        if config.measured_on != device_key:
+            where = config.measured_on or "no named device"
+            return (
+                f"{device_key}: {label} was measured on {where}; "
+                f"its cost on {device_key} is unknown"
+            )
+        cost = cost_mib(config, self.cells)
+        if cost is None:
+            return (
+                f"{device_key}: cost unknown: {label} at {self.cells} cells goes past its "
+                f"{config.kv_resident_cells or 0} resident KV cells and no kv_mib_per_1k_cells "
+                "is measured"
+            )
+        host = self.registry.host()
+        if host is None:
+            return f"{device_key}: no cpu device in the registry; host RAM for {label} is unchecked"
+        host_reading = self.inp.readings.get(host.key)
+        if host_reading is None or host_reading.source is ProbeSource.ABSENT:
+            return f"{host.key}: no host RAM reading; {label} on {device_key} cannot be checked"
+        on_device = tuple(r for r in self.inp.residents if r.device == device_key)
+        if device.kind is DeviceKind.GPU:
+            unknown = [r.signature for r in on_device if r.gpu_mib is None]
+            if unknown:
+                return (
+                    f"{device_key}: footprint of {', '.join(unknown)} unknown; the device budget "
+                    "is unknown, so nothing loads there"
+                )
+        return _Budget(device, host, host_reading.free_mib, cost, on_device)
+
+    def _unit_clash(self, config: Config, device_key: str) -> tuple[list[Resident], str | None]:
+        """Residents that must go because they run the candidate's unit; or why it cannot."""
+        unit = self.model.unit_for(config)
+        if unit is None:
+            return [], None
+        required: list[Resident] = []
+        for resident in self.inp.residents:
+            if resident.unit != unit:
+                continue
+            if resident.device != device_key:
+                return [], f"unit {unit} already runs {resident.signature} on {resident.device}"
+            why = self._not_a_victim(resident)
+            if why is not None:
+                return [], f"unit {unit} already runs {resident.signature}, which {why}"
+            required.append(resident)
+        return required, None
+
+    def _not_a_victim(self, resident: Resident) -> str | None:
+        held = holds(resident)
+        if held:
+            return "; ".join(held)
+        if serves(self.registry, resident, self.requested):
+            return "serves the requested id (reuse it)"
+        if resident.gpu_mib is None:
+            return "has an unknown footprint"
+        config = config_of(self.registry, resident)
+        if config is None or not config.is_measured:
+            return "is unmeasured and never a victim"
+        return None
+
+    def _displace(
+        self,
+        config: Config,
+        label: str,
+        budget: _Budget,
+        required: list[Resident],
+        gpu_need: float,
+        host_need: float,
+    ) -> Option | str:
+        notes = []
+        items = []
+        for resident in budget.on_device:
+            why = self._not_a_victim(resident)
+            if why is not None:
+                notes.append(f"{resident.signature} {why}")
+            elif resident not in required:
+                items.append(_item(resident))
+        forced = [_item(r) for r in required]
+        found = minimal_eviction(
+            items,
+            _ceil_mib(gpu_need) - sum(it.gpu_mib for it in forced),
+            _ceil_mib(host_need) - sum(it.host_mib for it in forced),
+        )
+        if found is None:
+            host_rss = config.host_rss_mib or 0.0
+            return self._no_room(label, budget, items + forced, gpu_need, host_rss, notes)
+        chosen = sorted(
+            (it.resident for it in (*forced, *found)), key=lambda r: (r.signature, r.device)
+        )
+        victims = tuple(victim_of(self.registry, r, self.inp.inflight_known) for r in chosen)
+        return Option(
+            OptionKind.DISPLACE, self.model.key, config.key, budget.device.key, budget.cost, victims
+        )
+
+    def _no_room(
+        self,
+        label: str,
+        budget: _Budget,
+        eligible: list[EvictionItem],
+        gpu_need: float,
+        host_rss: float,
+        notes: list[str],
+    ) -> str:
+        device = budget.device
+        most_gpu = sum(it.gpu_mib for it in eligible)
+        suffix = f"; not displaceable: {'; '.join(notes)}" if notes else ""
+        if _ceil_mib(gpu_need) > most_gpu:
+            more = (
+                f", and displacing every eligible resident frees at most {_fmt(most_gpu)} MiB more"
+                if eligible
+                else ""
+            )
+            return (
+                f"{device.key}: {label} needs {_fmt(budget.cost)} MiB; "
+                f"{_fmt(device.total_mib)} total − {_fmt(device.reserved_mib)} reserved − "
+                f"{_fmt(budget.gpu_loaded)} loaded leaves {_fmt(budget.gpu_room)} MiB{more}{suffix}"
+            )
+        host = budget.host
+        extra = sum(it.host_mib for it in eligible)
+        freed = (
+            f", even after displacing every eligible resident there (+{_fmt(extra)} MiB)"
+            if eligible
+            else ""
+        )
+        return (
+            f"{host.key}: host RAM {_fmt(host_rss)} MiB needed, "
+            f"{_fmt(budget.host_room)} MiB available above the "
+            f"{_fmt(host.reserved_mib)} MiB reserve (for {label} on {device.key}{freed}){suffix}"
+        )
+
+
+def _item(resident: Resident) -> EvictionItem:
+    # Floor what a victim frees and ceil what is needed: a fraction never tips a fit.
+    return EvictionItem(
+        resident,
+        math.floor(resident.gpu_mib or 0.0),
+        math.floor(resident.host_rss_mib or 0.0),
+    )
+
+
+def _unavailable(device_key: str, reading: DeviceReading | None) -> str | None:
+    if reading is None:
+        return f"{device_key}: no probe reading; unavailable"
+    if reading.source is ProbeSource.ABSENT:
+        detail = f" ({reading.error})" if reading.error else ""
+        return f"{device_key}: absent from the probe{detail}; unavailable"
+    return None
