@@ -1,0 +1,167 @@
+"""Tier 3 fixtures: a contained ``systemd --user`` (DESIGN.md §6), units running the fake engine.
+
+- ``user_manager`` (session): one :class:`ContainedUserManager` for the whole
+  tier. Skips with the reason from ``can_contain()`` where it cannot run; fails
+  instead when ``UAPPLACE_REQUIRE_SYSTEMD=1`` (CI).
+- ``units``: a connected :class:`UnitManager` on that manager's bus.
+- ``sim_gpu``: a fresh simulated GPU (one 24576 MiB device, ``GPU-sim-0000``).
+- ``unit_files``: writes unit files (fake engine or raw), and at the end of the
+  test stops every unit it wrote, removes the files and reloads, so tests
+  sharing the session manager do not see each other's units.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shlex
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from uapplace.sim.gpu import SimGpu, sim_uuid
+from uapplace.sim.usermanager import ContainedUserManager, can_contain
+from uapplace.units import UnitManager
+
+SIM_DEVICE_MIB = 24576
+GUARD_S = 20
+"""Upper bound on any wait in this tier: a hang guard, never an assertion about speed."""
+
+
+async def eventually(condition: Callable[[], bool], guard_s: float = GUARD_S) -> None:
+    """Poll a condition nothing signals (a file appearing, a PID ending)."""
+    async with asyncio.timeout(guard_s):
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def user_manager() -> Iterator[ContainedUserManager]:
+    ok, why = can_contain()
+    if not ok:
+        if os.environ.get("UAPPLACE_REQUIRE_SYSTEMD") == "1":
+            pytest.fail(f"UAPPLACE_REQUIRE_SYSTEMD=1 but no contained systemd --user here: {why}")
+        pytest.skip(f"no contained systemd --user here: {why}")
+    manager = ContainedUserManager()
+    manager.start()
+    yield manager
+    manager.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Iterator[pytest.TestReport]:
+    """On a failure, attach the tail of the manager's log (its units' output included)."""
+    report: pytest.TestReport = yield
+    manager = getattr(item, "funcargs", {}).get("user_manager")
+    if report.failed and isinstance(manager, ContainedUserManager):
+        try:
+            tail = manager.log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
+        except (OSError, RuntimeError):
+            tail = "(no log)"
+        report.sections.append(("contained systemd --user log (tail)", tail))
+    return report
+
+
+@pytest.fixture
+async def units(user_manager: ContainedUserManager) -> AsyncIterator[UnitManager]:
+    manager = UnitManager(user_manager.bus_address)
+    await manager.connect()
+    yield manager
+    manager.close()
+
+
+@pytest.fixture
+def sim_gpu(tmp_path: Path) -> SimGpu:
+    gpu = SimGpu(tmp_path / "sim-gpu.json")
+    gpu.create([("", SIM_DEVICE_MIB)])
+    return gpu
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+@dataclass(frozen=True)
+class EngineUnit:
+    name: str
+    """``<stem>.service``."""
+    port: int
+    model_id: str
+    path: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class UnitFiles:
+    """Writes test units into the contained manager's unit directory."""
+
+    def __init__(self, user_manager: ContainedUserManager) -> None:
+        self.unit_dir = user_manager.unit_dir
+        self.prefix = f"t{secrets.token_hex(3)}"
+        self.written: list[str] = []
+
+    def raw(self, stem: str, service: str, unit: str = "") -> str:
+        """A unit ``<prefix>-<stem>.service`` with the given ``[Service]`` body; its name."""
+        name = f"{self.prefix}-{stem}.service"
+        text = f"[Unit]\nDescription=uapplace test {stem}\n{unit}\n[Service]\n{service}\n"
+        (self.unit_dir / name).write_text(text, encoding="utf-8")
+        self.written.append(name)
+        return name
+
+    def engine(
+        self,
+        stem: str,
+        model_id: str,
+        sim_gpu: SimGpu | None = None,
+        mib: float = 0,
+        engine_args: Sequence[str] = (),
+        service: str = "",
+    ) -> EngineUnit:
+        """A ``Type=exec`` unit whose ExecStart is the fake engine on a free port."""
+        port = free_port()
+        argv = [sys.executable, "-m", "uapplace.sim.engine", "--port", str(port)]
+        argv += ["--model-id", model_id, *engine_args]
+        lines = ["Type=exec", f"ExecStart={shlex.join(argv)}", "TimeoutStopSec=10"]
+        if sim_gpu is not None:
+            argv_gpu = ["--gpu-uuid", sim_uuid(0), "--mib", f"{mib:g}"]
+            lines[1] = f"ExecStart={shlex.join([*argv, *argv_gpu])}"
+            lines.append(f"Environment=UAPPLACE_SIM_GPU={sim_gpu.path}")
+        if service:
+            lines.append(service)
+        name = self.raw(stem, "\n".join(lines))
+        return EngineUnit(name, port, model_id, self.unit_dir / name)
+
+    def remove_all(self) -> None:
+        for name in self.written:
+            (self.unit_dir / name).unlink(missing_ok=True)
+            dropins = self.unit_dir / f"{name}.d"
+            if dropins.is_dir():
+                for file in dropins.iterdir():
+                    file.unlink()
+                dropins.rmdir()
+
+
+@pytest.fixture
+async def unit_files(
+    user_manager: ContainedUserManager, units: UnitManager
+) -> AsyncIterator[UnitFiles]:
+    files = UnitFiles(user_manager)
+    yield files
+    for name in files.written:
+        await units.stop_unit(name, timeout=15)
+    files.remove_all()
+    await units.reload()
