@@ -1,0 +1,313 @@
+"""The proxy side of the admission gate (CONTRACT.md §1–§2), for proxies written in Python.
+
+A proxy that fronts local models asks the placement controller (our shim) before
+it sends a request upstream, and answers a park with a ``409`` in the client's
+dialect. This module is that gate, so such a proxy needs no copy of the rules:
+
+- :class:`GateClient` posts CONTRACT §1's admit body and turns the answer into a
+  :class:`GateDecision`. Anything but a well-formed ``200`` answer (non-200,
+  non-object body, unknown ``decision``, timeout, any exception) counts as *no
+  answer* and the gate falls back to read-only admission from the proxy's
+  cached upstream ids: a served id forwards, an unserved id parks with reason
+  ``no_controller``, an unprobed cache (``None``) forwards (spec §4.3: the same
+  fail-open direction as the proxy's wire-model reconcile). A 5 s burst map on
+  ``(client, model)`` (and ``("__auto__", model)`` for ``auto_loading``)
+  re-parks a burst without asking again.
+- :func:`anthropic_409`, :func:`openai_409`, :func:`ollama_409` build the exact
+  bodies; :func:`park_409` picks one by request path (:func:`dialect_for_path`).
+  Every park answer carries ``Retry-After: 2`` (spec §4.3: "parked requests
+  return 409 … plus a Retry-After: 2 header", whatever the dialect).
+
+Usage in a proxy::
+
+    gate = GateClient("http://127.0.0.1:3847", upstream_ids=lambda: cached_ids)
+    decision = await gate.admit(model_id, client_id, session_id, cells)
+    if decision.decision == "park":
+        status, headers, body = park_409(request.path, model_id,
+                                         decision.placement_id, decision.reason)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+
+Dialect = Literal["anthropic", "openai", "ollama"]
+DecisionSource = Literal["controller", "fallback", "burst"]
+
+BURST_WINDOW_S = 5.0
+AUTO_BURST_CLIENT = "__auto__"
+RETRY_AFTER_S = 2
+RETRY_AFTER_MS = 2000
+RESOLVE_WITH = (
+    "uap models pending | uap models apply <placement_id> <option> | dashboard Models tab"
+)
+NO_CONTROLLER = "no_controller"
+FALLBACK_TARGET = "default"
+"""The target key the proxy uses when no controller answer named one (CONTRACT §3)."""
+
+TARGET_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+:\S+$")
+PLACEMENT_ID_RE = re.compile(r"^plc-[0-9a-f]{6}$")
+REASON_RE = re.compile(r"^[a-z_]+$")
+
+_DIALECT_BY_PATH: dict[str, Dialect] = {
+    "/v1/messages": "anthropic",
+    "/anthropic/v1/messages": "anthropic",
+    "/v1/chat/completions": "openai",
+    "/api/chat": "ollama",
+    "/api/generate": "ollama",
+}
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """What the gate decided for one request, and where the answer came from."""
+
+    decision: Literal["forward", "park"]
+    target_id: str | None = None
+    """Set on forward: the controller's ``<device>:<endpoint>``, or ``default`` on fallback."""
+    placement_id: str | None = None
+    reason: str | None = None
+    source: DecisionSource = "controller"
+
+    @property
+    def parked(self) -> bool:
+        return self.decision == "park"
+
+
+@dataclass(frozen=True)
+class _BurstPark:
+    placement_id: str
+    reason: str
+    expires_at: float
+
+
+def new_placement_id() -> str:
+    """``plc-`` + 6 lowercase hex digits (CONTRACT §1)."""
+    return f"plc-{secrets.token_hex(3)}"
+
+
+def admit_body(
+    model_id: str, client: str, session: str | None, cells: int | None
+) -> dict[str, Any]:
+    """CONTRACT §1's request body; ``cells`` only when it is a positive integer.
+
+    ``client`` and ``session`` go as they are: truncating them is the controller's job.
+    """
+    body: dict[str, Any] = {"model_id": model_id, "client": client, "session": session}
+    if isinstance(cells, int) and not isinstance(cells, bool) and cells > 0:
+        body["cells"] = cells
+    return body
+
+
+def parse_answer(status: int, payload: object) -> GateDecision | None:
+    """A controller answer as a decision, or ``None`` when it counts as *no answer*."""
+    if status != 200 or not isinstance(payload, dict):
+        return None
+    decision = payload.get("decision")
+    if decision == "forward":
+        target = payload.get("target_id")
+        if isinstance(target, str) and TARGET_ID_RE.match(target):
+            return GateDecision("forward", target_id=target)
+        return None
+    if decision == "park":
+        placement_id = payload.get("placement_id")
+        reason = payload.get("reason")
+        if (
+            isinstance(placement_id, str)
+            and PLACEMENT_ID_RE.match(placement_id)
+            and isinstance(reason, str)
+            and REASON_RE.match(reason)
+        ):
+            return GateDecision("park", placement_id=placement_id, reason=reason)
+    return None
+
+
+class GateClient:
+    """Admission through the placement controller, with the proxy's read-only fallback.
+
+    ``upstream_ids`` returns the proxy's cached upstream model ids, or ``None``
+    while the cache is unprobed. ``clock`` (monotonic seconds) drives the burst
+    map; tests inject their own.
+    """
+
+    def __init__(
+        self,
+        controller_url: str,
+        timeout: float = 2.0,
+        *,
+        upstream_ids: Callable[[], Collection[str] | None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+        burst_window: float = BURST_WINDOW_S,
+    ) -> None:
+        self.admit_url = controller_url.rstrip("/") + "/api/placement/admit"
+        self.timeout = timeout
+        self.upstream_ids = upstream_ids
+        self.clock = clock
+        self.burst_window = burst_window
+        self._bursts: dict[tuple[str, str], _BurstPark] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> GateClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def admit(
+        self, model_id: str, client: str, session: str | None, cells: int | None = None
+    ) -> GateDecision:
+        """Forward or park ``model_id``; never raises, never waits much past ``timeout``."""
+        burst = self._burst_hit(client, model_id)
+        if burst is not None:
+            return burst
+        answer = await self.ask_controller(model_id, client, session, cells)
+        decision = answer if answer is not None else self.fallback(model_id)
+        if decision.parked:
+            self._remember_park(client, model_id, decision)
+        return decision
+
+    async def ask_controller(
+        self, model_id: str, client: str, session: str | None, cells: int | None
+    ) -> GateDecision | None:
+        """One admit POST; ``None`` for every kind of *no answer*."""
+        body = admit_body(model_id, client, session, cells)
+        try:
+            async with asyncio.timeout(self.timeout):
+                http = self._http()
+                async with http.post(self.admit_url, json=body) as response:
+                    status = response.status
+                    payload = await response.json(content_type=None) if status == 200 else None
+        except Exception:  # the contract: any exception is "no answer"
+            return None
+        return parse_answer(status, payload)
+
+    def fallback(self, model_id: str) -> GateDecision:
+        """Read-only admission from the proxy's cached upstream ids (no controller answer)."""
+        try:
+            served = self.upstream_ids()
+        except Exception:  # a broken cache reads as unprobed
+            served = None
+        if served is None or model_id in served:
+            return GateDecision("forward", target_id=FALLBACK_TARGET, source="fallback")
+        return GateDecision(
+            "park", placement_id=new_placement_id(), reason=NO_CONTROLLER, source="fallback"
+        )
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        return self._session
+
+    def _burst_hit(self, client: str, model_id: str) -> GateDecision | None:
+        now = self.clock()
+        for key in ((client, model_id), (AUTO_BURST_CLIENT, model_id)):
+            park = self._bursts.get(key)
+            if park is None:
+                continue
+            if now >= park.expires_at:
+                del self._bursts[key]
+                continue
+            return GateDecision(
+                "park", placement_id=park.placement_id, reason=park.reason, source="burst"
+            )
+        return None
+
+    def _remember_park(self, client: str, model_id: str, decision: GateDecision) -> None:
+        now = self.clock()
+        self._bursts = {k: v for k, v in self._bursts.items() if v.expires_at > now}
+        park = _BurstPark(
+            decision.placement_id or "", decision.reason or "", now + self.burst_window
+        )
+        self._bursts[(client, model_id)] = park
+        if decision.reason == "auto_loading":
+            # Rotating the client id must not re-ask the controller during an auto load.
+            self._bursts[(AUTO_BURST_CLIENT, model_id)] = park
+
+
+# --------------------------------------------------------------------------- 409 bodies
+
+
+def park_message(model: str, placement_id: str, reason: str) -> str:
+    """The human text of a park, by reason (CONTRACT §2, exact)."""
+    if reason == "auto_loading":
+        return (
+            f"model {model} is being loaded automatically; retrying is correct and it will "
+            "forward when the load completes"
+        )
+    if reason == "auto_failed":
+        return (
+            f"model {model} failed to load automatically; resolve with `uap models pending` "
+            f"(placement {placement_id})"
+        )
+    return (
+        f"model {model} is not loaded; resolve with `uap models pending` (placement {placement_id})"
+    )
+
+
+def _retry_headers() -> dict[str, str]:
+    return {"Retry-After": str(RETRY_AFTER_S)}
+
+
+def anthropic_409(
+    model: str, placement_id: str, reason: str
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """``409`` + ``Retry-After: 2`` + the ``model_placement_pending`` error (spec §4.3)."""
+    body = {
+        "type": "error",
+        "error": {
+            "type": "model_placement_pending",
+            "message": park_message(model, placement_id, reason),
+            "placement_id": placement_id,
+            "requested_model": model,
+            "reason": reason,
+            "retry_after_ms": RETRY_AFTER_MS,
+            "resolve_with": RESOLVE_WITH,
+        },
+    }
+    return 409, _retry_headers(), body
+
+
+def openai_409(
+    model: str, placement_id: str, reason: str
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """``409 {"error": {"message": …, "type": "upstream_error"}}``."""
+    body = {
+        "error": {"message": park_message(model, placement_id, reason), "type": "upstream_error"}
+    }
+    return 409, _retry_headers(), body
+
+
+def ollama_409(
+    model: str, placement_id: str, reason: str
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """``409 {"error": "<message>"}``."""
+    return 409, _retry_headers(), {"error": park_message(model, placement_id, reason)}
+
+
+def dialect_for_path(path: str) -> Dialect | None:
+    """The error dialect of a gated route; ``None`` for a route the gate does not cover."""
+    bare = path.split("?", 1)[0]
+    if len(bare) > 1:
+        bare = bare.rstrip("/")
+    return _DIALECT_BY_PATH.get(bare)
+
+
+def park_409(
+    path: str, model: str, placement_id: str, reason: str
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """The 409 for ``path``'s dialect; Anthropic for any path the table does not name."""
+    builders = {"anthropic": anthropic_409, "openai": openai_409, "ollama": ollama_409}
+    return builders[dialect_for_path(path) or "anthropic"](model, placement_id, reason)
