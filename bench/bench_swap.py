@@ -1,0 +1,346 @@
+"""Swap time: uapplace's enforcement against a bare shell swap, on the same units.
+
+Builds the demo's sandbox (:class:`uapplace.demo.Sandbox`): a contained
+``systemd --user``, a simulated 24 GiB GPU, two fake engines as real units
+(``coder-7b`` 14 GiB, ``writer-13b`` 16 GiB, each 1 s to turn healthy, so one
+must stop for the other to start), a fake of the proxy's internal routes and
+``uapplaced``. Then alternates, for several rounds:
+
+- **baseline**: ``systemctl --user stop A; systemctl --user start B; poll B's
+  /health every 50 ms`` (bash + curl), timed around the whole script;
+- **enforcement**: ``Apply`` over the bus on a parked request for B (revalidate,
+  mark-draining, drain against the proxy, stop, verify-free, start, verify-up
+  with /v1/models, refresh-proxy, resolve), timed around the ``Apply`` call.
+  ``--via inprocess`` runs ``Enforcer.apply`` in this process instead (the
+  daemon's controller and enforcement, without the bus).
+
+Each round swaps both ways with both methods (baseline A→B, enforcement B→A,
+enforcement A→B, baseline B→A). Prints every sample, the medians, the ratio and
+the per-step times of the enforcement (from the ``EnforcementStep`` signals).
+Target: ratio ≤ 1.10 (added overhead ≤ 150 ms). Needs root (contained manager).
+
+    .venv/bin/python bench/bench_swap.py [--rounds 4] [--via bus|inprocess]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+from dbus_fast import Message, MessageType
+
+from uapplace.client import PlacementClient, PlacementError
+from uapplace.controller import Controller, ProxyHolders, ResidentRow
+from uapplace.demo import CODER, WRITER, DemoModel, Sandbox, SandboxSpec
+from uapplace.enforce import attach_enforcement
+from uapplace.engines import ProxyClient
+from uapplace.model import Decision, PendingEntry
+from uapplace.paths import INTERFACE, Paths
+from uapplace.sim.usermanager import can_contain
+from uapplace.units import UnitManager
+
+TARGET_RATIO = 1.10
+GUARD_S = 60.0
+
+
+@dataclass
+class Samples:
+    baseline: list[float] = field(default_factory=list)
+    enforcement: list[float] = field(default_factory=list)
+    steps: dict[str, list[float]] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- the two ways
+
+
+def baseline_script(box: Sandbox, stop: DemoModel, start: DemoModel) -> str:
+    health = f"{box.endpoint(start)}/health"
+    return (
+        f"systemctl --user stop {shlex.quote(stop.unit)}; "
+        f"systemctl --user start {shlex.quote(start.unit)}; "
+        f"until curl -sf -o /dev/null {shlex.quote(health)}; do sleep 0.05; done"
+    )
+
+
+async def baseline_swap(box: Sandbox, stop: DemoModel, start: DemoModel) -> float:
+    script = baseline_script(box, stop, start)
+    started = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec("bash", "-c", script, env=box.client_env())
+    async with asyncio.timeout(GUARD_S):
+        code = await proc.wait()
+    elapsed = time.perf_counter() - started
+    if code != 0:
+        raise RuntimeError(f"baseline script failed ({code}): {script}")
+    return elapsed
+
+
+class Enforcement:
+    """Parks a request for a model, then times its Apply; records step arrival times."""
+
+    def __init__(
+        self,
+        admit: Callable[[str, str], Awaitable[dict[str, Any]]],
+        pending_options: Callable[[str], Awaitable[list[dict[str, Any]]]],
+        apply: Callable[[str, list[dict[str, str]]], Awaitable[dict[str, Any]]],
+        residents: Callable[[], Awaitable[list[tuple[str, str]]]],
+    ) -> None:
+        self.admit = admit
+        self.pending_options = pending_options
+        self.apply = apply
+        self.residents = residents
+        self.step_times: list[tuple[str, float]] = []
+        self.round = 0
+
+    def on_step(self, step: str) -> None:
+        self.step_times.append((step, time.perf_counter()))
+
+    async def swap(self, start: DemoModel) -> tuple[float, dict[str, float]]:
+        self.round += 1
+        answer = await self.admit(start.key, f"bench-{self.round}")
+        if answer.get("decision") != "park":
+            raise RuntimeError(f"expected a park for {start.key}: {answer}")
+        placement_id = str(answer["placement_id"])
+        options = await self.pending_options(placement_id)
+        victims = [{"model": v["model"], "config": v["config"]} for v in options[0]["victims"]]
+        self.step_times.clear()
+        started = time.perf_counter()
+        result = await self.apply(placement_id, victims)
+        elapsed = time.perf_counter() - started
+        if not result.get("ok"):
+            raise RuntimeError(f"Apply failed: {result.get('error')}")
+        await asyncio.sleep(0.05)  # the last step signals may trail the reply
+        steps: dict[str, float] = {}
+        previous = started
+        for step, at in self.step_times:
+            steps[step] = steps.get(step, 0.0) + (at - previous)
+            previous = at
+        return elapsed, steps
+
+    async def wait_resident(self, model: DemoModel) -> None:
+        deadline = time.monotonic() + GUARD_S
+        while time.monotonic() < deadline:
+            if (model.key, "hot") in await self.residents():
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError(
+            f"{model.key} never became a hot resident in {GUARD_S:g}s: does this uapplaced "
+            "follow the units (enforcement wired)? Otherwise try --via inprocess"
+        )
+
+
+async def over_the_bus(stack: AsyncExitStack, box: Sandbox) -> Enforcement:
+    client = await PlacementClient.connect(box.bus_address, call_timeout=GUARD_S * 5)
+    stack.callback(client.disconnect)
+
+    async def admit(model: str, who: str) -> dict[str, Any]:
+        answer: dict[str, Any] = await client.admit(model, who, "", 0)
+        return answer
+
+    async def pending_options(placement_id: str) -> list[dict[str, Any]]:
+        async with asyncio.timeout(GUARD_S):
+            while True:
+                listed = await client.list_pending()
+                entry = next(e for e in listed["pending"] if e["id"] == placement_id)
+                if entry["options"]:
+                    return list(entry["options"])
+                await asyncio.sleep(0.02)
+
+    async def apply(placement_id: str, victims: list[dict[str, str]]) -> dict[str, Any]:
+        result: dict[str, Any] = await client.apply(placement_id, 1, victims)
+        return result
+
+    async def residents() -> list[tuple[str, str]]:
+        state = await client.get_state()
+        return [(r["model"], r["state"]) for r in state["residents"]]
+
+    enforcement = Enforcement(admit, pending_options, apply, residents)
+
+    def on_message(message: Message) -> None:
+        if message.message_type is MessageType.SIGNAL and message.member == "EnforcementStep":
+            enforcement.on_step(str(message.body[1]))
+
+    client.bus.add_message_handler(on_message)
+    await client.bus.call(
+        Message(
+            destination="org.freedesktop.DBus",
+            path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus",
+            member="AddMatch",
+            signature="s",
+            body=[f"type='signal',interface='{INTERFACE}',member='EnforcementStep'"],
+        )
+    )
+    return enforcement
+
+
+class _StepEvents:
+    """ControllerEvents for the in-process controller: only the steps matter here."""
+
+    def __init__(self) -> None:
+        self.on_step: Callable[[str], None] = lambda _: None
+
+    def on_enforcement_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
+        self.on_step(step)
+
+    def on_parked(self, entry: PendingEntry) -> None:
+        pass
+
+    def on_resolved(self, placement_id: str, outcome: str) -> None:
+        pass
+
+    def on_resident_changed(self, row: ResidentRow) -> None:
+        pass
+
+    def on_pending_count(self, count: int) -> None:
+        pass
+
+    def on_residents(self, rows: list[ResidentRow]) -> None:
+        pass
+
+
+async def in_process(stack: AsyncExitStack, box: Sandbox) -> Enforcement:
+    paths = Paths.from_env(box.client_env())
+    controller = Controller.open(paths)
+    events = _StepEvents()
+    controller.events = events
+    client = ProxyClient(paths.proxy_url, paths.proxy_token())
+    controller.proxy = ProxyHolders(client)
+    await controller.start()
+    stack.push_async_callback(controller.shutdown)
+    enforcement_stack = await attach_enforcement(
+        controller, paths, client, units=UnitManager(box.bus_address)
+    )
+    stack.push_async_callback(enforcement_stack.close)
+
+    async def admit(model: str, who: str) -> dict[str, Any]:
+        decision: Decision = controller.admit(model, who, "", 0)
+        return dict(decision.to_json())
+
+    async def pending_options(placement_id: str) -> list[dict[str, Any]]:
+        async with asyncio.timeout(GUARD_S):
+            while True:
+                entry = controller.admission.get(placement_id)
+                if entry is not None and entry.options:
+                    return [o.to_json() for o in entry.options]
+                await asyncio.sleep(0.02)
+
+    async def apply(placement_id: str, victims: list[dict[str, str]]) -> dict[str, Any]:
+        expected = [f"{v['model']}/{v['config']}" for v in victims]
+        return await enforcement_stack.enforcer.apply(placement_id, 1, expected)
+
+    async def residents() -> list[tuple[str, str]]:
+        return [(r.model, r.state.value) for r in controller.residents]
+
+    enforcement = Enforcement(admit, pending_options, apply, residents)
+    events.on_step = enforcement.on_step
+    return enforcement
+
+
+# --------------------------------------------------------------------------- the run
+
+
+async def run(rounds: int, via: str, daemon_cmd: str | None) -> Samples:
+    samples = Samples()
+    spec = SandboxSpec(load_secs=1.0, resident=CODER, shim=False, daemon=via == "bus")
+    async with AsyncExitStack() as stack:
+        argv = shlex.split(daemon_cmd) if daemon_cmd else None
+        box = await Sandbox.create(stack, spec, contain=True, daemon_argv=argv)
+        way = await (over_the_bus(stack, box) if via == "bus" else in_process(stack, box))
+        await way.wait_resident(CODER)
+        a, b = CODER, WRITER
+
+        async def one_round(record: bool) -> None:
+            took = await baseline_swap(box, a, b)
+            await way.wait_resident(b)
+            timed = [("baseline", f"{a.key} → {b.key}", took)]
+            for start in (a, b):
+                took, steps = await way.swap(start)
+                timed.append(("enforcement", f"→ {start.key}", took))
+                if record:
+                    for step, seconds in steps.items():
+                        samples.steps.setdefault(step, []).append(seconds)
+            took = await baseline_swap(box, b, a)
+            await way.wait_resident(a)
+            timed.append(("baseline", f"{b.key} → {a.key}", took))
+            for kind, what, seconds in timed:
+                label = "warm-up" if not record else kind
+                print(f"  {label:12} {what:26} {seconds * 1000:8.1f} ms", flush=True)
+                if record:
+                    (samples.baseline if kind == "baseline" else samples.enforcement).append(
+                        seconds
+                    )
+
+        await one_round(record=False)
+        for _ in range(rounds):
+            await one_round(record=True)
+    return samples
+
+
+def report(samples: Samples, via: str) -> int:
+    base = statistics.median(samples.baseline)
+    enforced = statistics.median(samples.enforcement)
+    ratio = enforced / base
+    overhead_ms = (enforced - base) * 1000
+    print()
+    print(
+        f"baseline    (shell stop/start/poll 50 ms): median {base * 1000:7.1f} ms  "
+        f"mean {statistics.mean(samples.baseline) * 1000:7.1f} ms  n={len(samples.baseline)}"
+    )
+    print(
+        f"enforcement (Apply, {via:9}):          median {enforced * 1000:7.1f} ms  "
+        f"mean {statistics.mean(samples.enforcement) * 1000:7.1f} ms  n={len(samples.enforcement)}"
+    )
+    print(
+        f"ratio {ratio:.3f}  (overhead {overhead_ms:+.1f} ms)  target ≤ {TARGET_RATIO:.2f}: "
+        f"{'PASS' if ratio <= TARGET_RATIO else 'FAIL'}"
+    )
+    if samples.steps:
+        print("\nenforcement steps, median ms (time since the previous step's signal):")
+        for step, values in samples.steps.items():
+            print(f"  {step:14} {statistics.median(values) * 1000:8.1f}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=4, help="timed rounds (4 swaps each)")
+    parser.add_argument("--via", choices=["bus", "inprocess"], default="bus")
+    parser.add_argument(
+        "--daemon-cmd",
+        default=None,
+        help="command that runs uapplaced (default: this Python's -m uapplace.daemon)",
+    )
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    ok, why = can_contain()
+    if not ok:
+        print(f"bench_swap needs a contained systemd --user: {why}", file=sys.stderr)
+        return 2
+    print(f"swap benchmark: {args.rounds} rounds + 1 warm-up, enforcement via {args.via}")
+    try:
+        samples = asyncio.run(run(args.rounds, args.via, args.daemon_cmd))
+    except KeyboardInterrupt:
+        return 130
+    except PlacementError as err:
+        print(f"bench_swap: the daemon refused: {err}", file=sys.stderr)
+        if "not implemented" in err.message:
+            print(
+                "  (this uapplaced has no enforcement wired: try --via inprocess)", file=sys.stderr
+            )
+        return 1
+    return report(samples, args.via)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

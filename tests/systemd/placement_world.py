@@ -1,0 +1,330 @@
+"""A small placement machine for the enforcement tier: real units, real daemon parts.
+
+Two models on one simulated 24 GiB GPU, each a real unit running the fake
+engine: ``alpha`` (14000 MiB) and ``beta`` (16000 MiB) cannot both be loaded,
+so loading ``beta`` while ``alpha`` is resident means displacing it. The
+:class:`~uapplace.controller.Controller` is the real one (in-process, no bus),
+wired to an :class:`~uapplace.enforce.Enforcer` and a
+:class:`~uapplace.unitsync.UnitSync` through :class:`~uapplace.enforce.ControllerHost`,
+exactly as the daemon wires them. The proxy's internal routes are the fake of
+:mod:`uapplace.sim.proxy`, served over real HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from tests.systemd.conftest import EngineUnit, UnitFiles
+from uapplace.controller import Controller, ProxyHolders, ResidentRow
+from uapplace.enforce import ControllerHost, Enforcer, Timeouts, attach_enforcement
+from uapplace.engines import ProxyClient
+from uapplace.model import PendingEntry, Resident
+from uapplace.paths import Paths
+from uapplace.sim import proxy as sim_proxy
+from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
+from uapplace.units import UnitManager, UnitState
+from uapplace.unitsync import UnitSync
+
+GUARD_S = 30.0
+"""Upper bound on any wait: a hang guard, never an assertion about speed."""
+
+ALPHA_MIB = 14000
+BETA_MIB = 16000
+MEASURED_AT = "2026-10-08T14:02:00Z"
+
+FAST = Timeouts(
+    drain_s=0.6,
+    stop_s=10.0,
+    verify_free_s=1.0,
+    start_s=10.0,
+    verify_up_s=5.0,
+    rollback_up_s=10.0,
+)
+
+
+class Recorder:
+    """ControllerEvents that keeps everything, and lets a test await a condition."""
+
+    def __init__(self) -> None:
+        self.resident_changes: list[ResidentRow] = []
+        self.steps: list[tuple[str, str, bool, str]] = []
+        self.resolved: list[tuple[str, str]] = []
+        self.parked: list[str] = []
+        self.step_hook: Callable[[str, bool], None] | None = None
+        """Called as each step is reported, inside the run (to change the world mid-run)."""
+        self._changed = asyncio.Event()
+
+    def on_parked(self, entry: PendingEntry) -> None:
+        self.parked.append(entry.id)
+        self._changed.set()
+
+    def on_resolved(self, placement_id: str, outcome: str) -> None:
+        self.resolved.append((placement_id, outcome))
+        self._changed.set()
+
+    def on_resident_changed(self, row: ResidentRow) -> None:
+        self.resident_changes.append(row)
+        self._changed.set()
+
+    def on_enforcement_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
+        self.steps.append((run_id, step, ok, detail))
+        if self.step_hook is not None:
+            self.step_hook(step, ok)
+        self._changed.set()
+
+    def on_pending_count(self, count: int) -> None:
+        self._changed.set()
+
+    def on_residents(self, rows: list[ResidentRow]) -> None:
+        self._changed.set()
+
+    def poke(self) -> None:
+        self._changed.set()
+
+    async def until(self, condition: Callable[[], bool], poll_s: float = 0.05) -> None:
+        """Wait for ``condition`` (re-checked on every event, and every ``poll_s``)."""
+        async with asyncio.timeout(GUARD_S):
+            while not condition():
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), poll_s)
+
+    def states_of(self, model: str) -> list[str]:
+        return [row[3] for row in self.resident_changes if row[0] == model]
+
+
+class UnitTimeline:
+    """Every state change of the given units, to check two never ran together."""
+
+    def __init__(self, units: UnitManager, names: Sequence[str]) -> None:
+        self.names = set(names)
+        self.changes: list[tuple[str, str]] = []
+        units.on_change(self._record)
+
+    def _record(self, unit: str, state: UnitState) -> None:
+        if unit in self.names:
+            self.changes.append((unit, state.active_state))
+
+    def overlaps(self) -> list[dict[str, str]]:
+        """Each moment at which more than one of the units was not inactive/failed."""
+        current: dict[str, str] = {}
+        found: list[dict[str, str]] = []
+        for unit, state in self.changes:
+            current[unit] = state
+            up = {u: s for u, s in current.items() if s not in ("inactive", "failed", "")}
+            if len(up) > 1:
+                found.append(up)
+        return found
+
+
+@dataclass
+class World:
+    units: UnitManager
+    unit_files: UnitFiles
+    sim: SimGpu
+    paths: Paths
+    controller: Controller
+    host: ControllerHost
+    enforcer: Enforcer
+    sync: UnitSync
+    proxy: sim_proxy.FakeProxy
+    events: Recorder
+    timeline: UnitTimeline
+    alpha: EngineUnit
+    beta: EngineUnit
+    runner: web.AppRunner
+    orphan_pidfile: Path
+    extra_pids: list[int] = field(default_factory=list)
+
+    def resident(self, model: str) -> Resident | None:
+        return next((r for r in self.controller.residents if r.model == model), None)
+
+    def state_of(self, model: str) -> str | None:
+        resident = self.resident(model)
+        return resident.state.value if resident is not None else None
+
+    async def start_alpha(self) -> None:
+        outcome = await self.units.start_unit(self.alpha.name, GUARD_S)
+        assert outcome.ok, outcome
+        await self.events.until(lambda: self.state_of("alpha") == "hot")
+
+    async def park(self, model: str, client: str = "client-1") -> PendingEntry:
+        """Admit ``model`` (not resident), then wait for the park's options."""
+        decision = self.controller.admit(model, client, "", 0)
+        assert decision.decision == "park", decision
+        placement_id = decision.placement_id
+
+        def planned() -> bool:
+            entry = self.controller.admission.get(placement_id)
+            return entry is not None and bool(entry.options)
+
+        await self.events.until(planned)
+        entry = self.controller.admission.get(placement_id)
+        assert entry is not None
+        return entry
+
+    def target_of(self, unit: EngineUnit) -> str:
+        return f"gpu0:{unit.endpoint}"
+
+    def kill_orphan(self) -> None:
+        """End the orphan a ``--orphan`` engine left (by the PID it wrote), if any."""
+        try:
+            pid = int(self.orphan_pidfile.read_text(encoding="ascii").strip())
+        except (OSError, ValueError):
+            return
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def registry_json(alpha: EngineUnit, beta: EngineUnit, host_mib: int) -> dict[str, Any]:
+    def measured(mib: int) -> dict[str, Any]:
+        return {
+            "resident_gpu_mib": mib,
+            "host_rss_mib": 64,
+            "kv_resident_cells": 32768,
+            "context_pool_cells": 32768,
+            "kv": "int8",
+            "measured_at": MEASURED_AT,
+            "measured_on": "gpu0",
+        }
+
+    return {
+        "version": 1,
+        "devices": {
+            "gpu0": {
+                "kind": "gpu",
+                "name": "Simulated GPU",
+                "total_mib": 24576,
+                "reserved_mib": 0,
+                "uuid": sim_uuid(0),
+            },
+            "cpu0": {"kind": "cpu", "total_mib": host_mib, "reserved_mib": 256},
+        },
+        "models": {
+            "alpha": {
+                "display": "Alpha",
+                "engine": "llama.cpp",
+                "unit": alpha.name,
+                "endpoint": alpha.endpoint,
+                "configs": {"a1": measured(ALPHA_MIB)},
+                "advertises": ["alpha-latest"],
+            },
+            "beta": {
+                "display": "Beta",
+                "engine": "llama.cpp",
+                "unit": beta.name,
+                "endpoint": beta.endpoint,
+                "service": "beta-server",
+                "configs": {"b1": measured(BETA_MIB)},
+                "advertises": ["beta-latest"],
+            },
+        },
+    }
+
+
+POLICY = {"services": [{"name": "beta-server", "metricsMustMatch": {"kv": "int8"}}]}
+
+
+async def build_world(
+    tmp_path: Path,
+    units: UnitManager,
+    unit_files: UnitFiles,
+    sim: SimGpu,
+    *,
+    alpha_args: Sequence[str] = (),
+    alpha_service: str = "",
+    beta_args: Sequence[str] = (),
+    timeouts: Timeouts = FAST,
+) -> World:
+    orphan_pidfile = tmp_path / "orphan.pid"
+    # The proxy binds first, so the free ports picked for the engines cannot be its.
+    proxy = sim_proxy.FakeProxy()
+    runner, proxy_url = await sim_proxy.start(proxy)
+    controller: Controller | None = None
+    try:
+        load = ["--load-secs", "0.3", "--kv", "int8"]
+        alpha = unit_files.engine(
+            "alpha",
+            "alpha",
+            sim,
+            mib=ALPHA_MIB,
+            engine_args=[*load, *alpha_args],
+            service=alpha_service,
+        )
+        beta = unit_files.engine(
+            "beta",
+            "beta",
+            sim,
+            mib=BETA_MIB,
+            engine_args=[*load, "--advertise", "beta-latest", *beta_args],
+        )
+        await units.reload()
+
+        config_dir = tmp_path / "config"
+        uap_home = tmp_path / "uap"
+        config_dir.mkdir()
+        uap_home.mkdir()
+        host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
+        registry = registry_json(alpha, beta, host_mib)
+        (config_dir / "model-registry.json").write_text(json.dumps(registry), encoding="utf-8")
+        (config_dir / "capacity-policy.json").write_text(json.dumps(POLICY), encoding="utf-8")
+
+        paths = Paths.from_env(
+            {
+                "HOME": str(tmp_path),
+                "UAP_HOME": str(uap_home),
+                "UAPPLACE_CONFIG_DIR": str(config_dir),
+                "UAPPLACE_SIM_GPU": str(sim.path),
+                "XDG_RUNTIME_DIR": str(tmp_path / "run"),
+                "XDG_CONFIG_HOME": str(tmp_path / "xdg-config"),
+                "UAP_PROXY_URL": proxy_url,
+            }
+        )
+        events = Recorder()
+        controller = Controller.open(paths)
+        controller.events = events
+        client = ProxyClient(paths.proxy_url, None)
+        controller.proxy = ProxyHolders(client)
+        await controller.start()
+        # Wired exactly as the daemon wires it; the test owns the UnitManager.
+        stack = await attach_enforcement(controller, paths, client, units=units, timeouts=timeouts)
+        timeline = UnitTimeline(units, [alpha.name, beta.name])
+        return World(
+            units=units,
+            unit_files=unit_files,
+            sim=sim,
+            paths=paths,
+            controller=controller,
+            host=ControllerHost(controller),
+            enforcer=stack.enforcer,
+            sync=stack.sync,
+            proxy=proxy,
+            events=events,
+            timeline=timeline,
+            alpha=alpha,
+            beta=beta,
+            runner=runner,
+            orphan_pidfile=orphan_pidfile,
+        )
+    except BaseException:
+        if controller is not None:
+            await controller.shutdown(wait_s=GUARD_S)
+        await runner.cleanup()
+        raise
+
+
+async def close_world(world: World) -> None:
+    await world.sync.close()
+    await world.controller.shutdown(wait_s=GUARD_S)
+    await world.runner.cleanup()
+    world.kill_orphan()

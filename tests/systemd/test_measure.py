@@ -1,0 +1,131 @@
+"""``measure`` against a running fake engine under a real unit (spec §4.1.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.systemd.conftest import UnitFiles
+from tests.systemd.placement_world import ALPHA_MIB, GUARD_S, World, build_world, close_world
+from uapplace.measure import MeasurementRefused, Measurer
+from uapplace.registry import load_registry
+from uapplace.sim.gpu import SimGpu, sim_uuid
+from uapplace.units import UnitManager
+
+pytestmark = pytest.mark.systemd
+
+
+@pytest.fixture
+async def world(
+    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
+) -> AsyncIterator[World]:
+    built = await build_world(tmp_path, units, unit_files, sim_gpu)
+    try:
+        yield built
+    finally:
+        await close_world(built)
+
+
+def measurer(world: World, floor_mib: float = 64.0) -> Measurer:
+    return Measurer(
+        world.paths,
+        world.host,
+        world.units,
+        floor_mib=floor_mib,
+        after_write=world.controller.reload,
+    )
+
+
+async def test_measure_writes_the_local_registry_from_the_live_engine(world: World) -> None:
+    async with asyncio.timeout(GUARD_S):
+        await world.start_alpha()
+    # A non-backend tenant (say, the desktop) holds 1000 MiB under a PID of its own.
+    world.sim.claim(sim_uuid(0), os.getpid(), 1000, "Xorg (simulated)")
+    main_pid = (await world.units.state(world.alpha.name)).main_pid
+
+    result = await measurer(world).measure("alpha", "")
+
+    assert result["pids"] == [main_pid]
+    local = json.loads(world.paths.local_registry.read_text(encoding="utf-8"))
+    written = local["models"]["alpha"]["configs"]["a1"]
+    assert written["resident_gpu_mib"] == ALPHA_MIB
+    assert written["measured_on"] == "gpu0"
+    assert written["host_rss_mib"] > 0 and written["host_free_mib"] > 0
+    assert written["measured_at"] == result["measurement"]["measured_at"]
+    # Geometry from /metrics and /slots (the fake engine: 32768 cells, 1 slot, int8).
+    assert (written["context_pool_cells"], written["per_session_cap_cells"]) == (32768, 32768)
+    assert (written["kv_resident_cells"], written["kv"]) == (32768, "int8")
+    assert "expert_cache_mib" not in written  # the engine reports none: nothing invented
+    device = local["devices"]["gpu0"]
+    assert device["reserved_mib"] == 1000  # 24576 total − 9576 free − 14000 of backends
+    assert "uapplace backends 14,000 MiB" in device["reserve_reason"]
+
+    # The daemon re-read its registry: the new numbers are the ones in force.
+    config = world.controller.load.registry.models["alpha"].configs["a1"]
+    assert (config.provenance, config.resident_gpu_mib) == ("local", ALPHA_MIB)
+    merged = load_registry(world.paths.repo_registry, world.paths.local_registry)
+    assert merged.errors == () and merged.registry.devices["gpu0"].reserved_mib == 1000
+
+
+async def test_measure_refuses_a_unit_that_is_not_running(world: World) -> None:
+    with pytest.raises(MeasurementRefused, match=r"is not running \(inactive/dead\)"):
+        await measurer(world).measure("alpha", "a1")
+    assert not world.paths.local_registry.exists()
+
+
+async def test_measure_refuses_a_reading_below_the_sanity_floor(world: World) -> None:
+    async with asyncio.timeout(GUARD_S):
+        await world.start_alpha()
+
+    with pytest.raises(MeasurementRefused, match="below the sanity floor of 20000 MiB"):
+        await measurer(world, floor_mib=20000).measure("alpha", "a1")
+    assert not world.paths.local_registry.exists()
+
+
+async def test_measure_refuses_a_reserve_larger_than_the_device(world: World) -> None:
+    async with asyncio.timeout(GUARD_S):
+        await world.start_alpha()
+    world.sim.claim(sim_uuid(0), os.getpid(), 10000, "someone else")
+    registry = json.loads(world.paths.repo_registry.read_text(encoding="utf-8"))
+    registry["devices"]["gpu0"]["total_mib"] = 8192  # the registry believes in a smaller card
+    world.paths.repo_registry.write_text(json.dumps(registry), encoding="utf-8")
+    assert await world.controller.reload()
+
+    with pytest.raises(MeasurementRefused, match=r"reserved_mib for gpu0 \(10,000 MiB\) exceeds"):
+        await measurer(world).measure("alpha", "a1")
+    assert not world.paths.local_registry.exists()
+
+
+async def test_measure_refuses_a_reading_that_includes_a_leftover_allocation(
+    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
+) -> None:
+    pidfile = tmp_path / "orphan.pid"
+    world = await build_world(
+        tmp_path,
+        units,
+        unit_files,
+        sim_gpu,
+        alpha_args=["--orphan", "--orphan-pidfile", str(pidfile), "--orphan-lifetime", "60"],
+        alpha_service="KillMode=process",
+    )
+    try:
+        async with asyncio.timeout(GUARD_S):
+            await world.start_alpha()
+            await world.events.until(pidfile.exists)
+            orphan = int(pidfile.read_text(encoding="ascii"))
+            # Restart: the first run's orphan stays in the cgroup, holding its memory.
+            assert (await units.stop_unit(world.alpha.name, GUARD_S)).ok
+            assert (await units.start_unit(world.alpha.name, GUARD_S)).ok
+            await world.events.until(lambda: world.state_of("alpha") == "hot")
+        assert orphan in await units.pids(world.alpha.name)
+
+        with pytest.raises(MeasurementRefused, match=f"pid {orphan} .* predate its main process"):
+            await measurer(world).measure("alpha", "a1")
+        assert not world.paths.local_registry.exists()
+    finally:
+        await close_world(world)

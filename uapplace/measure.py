@@ -1,0 +1,395 @@
+"""Footprints from the live engine (spec §4.1.1): ``uapplace measure <model> [config]``.
+
+The engine must be running under its registry unit, loaded and idle. From its
+unit's cgroup PIDs:
+
+- ``resident_gpu_mib``: the GPU memory those PIDs hold (NVML compute apps, or
+  the simulated GPU), on exactly one device, which becomes ``measured_on``;
+- ``host_rss_mib``: their resident set (psutil);
+- KV geometry where the engine reports it: ``context_pool_cells`` and ``kv``
+  from ``/metrics`` (``max_context``, the ``kv`` label), ``per_session_cap_cells``
+  from ``/slots`` (one slot's ``n_ctx``), ``kv_resident_cells`` = the pool (a
+  llama.cpp-like engine allocates its whole pool at start) unless the registry
+  already states it; ``expert_cache_mib`` / ``arena_mib`` when ``/metrics`` has
+  them (diagnostic only, never in the cost). Nothing is invented where the
+  engine reports nothing.
+
+Only the machine-local registry (``$UAP_HOME/model-registry.json``) is
+written: the config entry (keeping the registry's flags, unit and endpoint),
+with ``measured_on``, ``measured_at`` and the host free RAM seen
+(``host_free_mib``), and the device's ``reserved_mib`` derived as
+``total − free − Σ(GPU memory of uapplace backends)``: whatever no backend
+accounts for, graphics memory included, attributed to a PID or not.
+
+Refused, with the reason, and nothing written (spec §4.1.1):
+
+- the unit is not running, or not healthy yet;
+- engine PID not found: the unit has no process, or none of its processes
+  holds GPU memory;
+- ``resident_gpu_mib`` below the sanity floor (``floor_mib``, 64 MiB);
+- the reading includes another backend's allocation: a PID of the unit also
+  belongs to another registry unit, or is older than the unit's main process
+  (left over in the cgroup from an earlier run, e.g. an orphan under
+  ``KillMode=process``);
+- the derived ``reserved_mib`` is negative or exceeds the device's capacity
+  (the probe contradicts itself or the registry's ``total_mib``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import psutil
+
+from uapplace import engines
+from uapplace.devices import gpu_usage_of, process_rss_mib
+from uapplace.errors import Failed, InvalidArgument, NotFound, UnknownModel
+from uapplace.model import (
+    Config,
+    Device,
+    DeviceKind,
+    DeviceReading,
+    Model,
+    ProbeSource,
+    Registry,
+    Resident,
+    iso,
+)
+from uapplace.paths import Paths
+from uapplace.registry import unit_file_name, write_local_device, write_local_measurement
+from uapplace.units import UnitError, UnitManager
+
+DEFAULT_FLOOR_MIB = 64.0
+"""Below this, a GPU reading is not a loaded model (a CUDA context alone is ~300 MiB)."""
+MIB = 1024 * 1024
+
+
+class MeasurementRefused(Failed):
+    """The reading is not trustworthy; nothing was written. The message says why."""
+
+
+class MeasureHost(Protocol):
+    """What measuring needs from the controller (``ControllerHost`` provides it)."""
+
+    def registry(self) -> Registry: ...
+
+    def residents(self) -> Sequence[Resident]: ...
+
+    async def read_devices(self) -> Mapping[str, DeviceReading]: ...
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """What was seen of the engine, before any check."""
+
+    unit: str
+    main_pid: int
+    pids: tuple[int, ...]
+    device: str
+    gpu_mib: float
+    reading: DeviceReading
+
+
+class Measurer:
+    """``measure(model, config)`` for the daemon (``Controller.measurer``)."""
+
+    def __init__(
+        self,
+        paths: Paths,
+        host: MeasureHost,
+        units: UnitManager,
+        *,
+        floor_mib: float = DEFAULT_FLOOR_MIB,
+        http_s: float = engines.PROBE_TIMEOUT_S,
+        after_write: Callable[[], Awaitable[Any]] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.paths = paths
+        self.host = host
+        self.units = units
+        self.floor_mib = floor_mib
+        self.http_s = http_s
+        self.after_write = after_write
+        """Called once the local registry changed (the daemon re-reads its registry)."""
+        self._clock = clock
+
+    async def measure(self, model: str, config: str = "") -> dict[str, Any]:
+        """Measure the running engine of ``model``/``config`` and record it.
+
+        ``config`` may be empty when the model is resident (its resident's config)
+        or has one config. Raises ``UnknownModel``/``NotFound``/``InvalidArgument``
+        for bad arguments and :class:`MeasurementRefused` for a reading that cannot
+        be trusted.
+        """
+        registry = self.host.registry()
+        found, chosen = self._pick(registry, model, config)
+        unit = found.unit_for(chosen)
+        if unit is None:
+            raise InvalidArgument(f"{found.key}/{chosen.key} has no unit: nothing to measure")
+        endpoint = found.endpoint_for(chosen)
+        seen = await self._read_engine(registry, unit_file_name(unit), endpoint)
+        await self._check_foreign(registry, seen)
+        device = registry.devices.get(seen.device)
+        reserved, backends = await self._derived_reserve(registry, seen, device)
+        geometry = await self._geometry(chosen, endpoint)
+        rss = await asyncio.to_thread(process_rss_mib, seen.pids)
+        host_free = await asyncio.to_thread(_host_free_mib)
+        now = self._clock()
+        fields = _config_fields(chosen, geometry) | {
+            "resident_gpu_mib": round(seen.gpu_mib, 1),
+            "host_rss_mib": round(rss, 1),
+            "measured_at": iso(now),
+            "measured_on": seen.device,
+            "host_free_mib": round(host_free, 1),
+        }
+        reason = (
+            f"derived by `uapplace measure` at {iso(now)}: total "
+            f"{seen.reading.total_mib:,.0f} − free {seen.reading.free_mib:,.0f} − "
+            f"uapplace backends {backends:,.0f} MiB"
+        )
+        path = self.paths.local_registry
+        await asyncio.to_thread(write_local_measurement, path, found.key, chosen.key, fields)
+        await asyncio.to_thread(
+            write_local_device,
+            path,
+            seen.device,
+            {"reserved_mib": reserved, "reserve_reason": reason},
+        )
+        if self.after_write is not None:
+            await self.after_write()
+        return {
+            "model": found.key,
+            "config": chosen.key,
+            "unit": seen.unit,
+            "pids": list(seen.pids),
+            "written": str(path),
+            "measurement": fields,
+            "device": {
+                "key": seen.device,
+                "total_mib": seen.reading.total_mib,
+                "free_mib": seen.reading.free_mib,
+                "backends_mib": backends,
+                "reserved_mib": reserved,
+                "reserve_reason": reason,
+            },
+        }
+
+    # ------------------------------------------------------------------ steps
+
+    def _pick(self, registry: Registry, model: str, config: str) -> tuple[Model, Config]:
+        resolved = registry.resolve(model)
+        if resolved is None:
+            raise UnknownModel(f"model {model!r} is in no registry file")
+        found, pinned = resolved
+        if config:
+            chosen = found.configs.get(config)
+            if chosen is None:
+                known = ", ".join(found.configs) or "none"
+                raise NotFound(f"model {found.key} has no config {config!r} (configs: {known})")
+            return found, chosen
+        if pinned is not None:
+            return found, pinned
+        resident = next((r for r in self.host.residents() if r.model == found.key), None)
+        if resident is not None and resident.config in found.configs:
+            return found, found.configs[resident.config]
+        if len(found.configs) == 1:
+            return found, next(iter(found.configs.values()))
+        raise InvalidArgument(
+            f"{found.key} has configs {', '.join(found.configs)} and none is resident: "
+            "name the config that is running"
+        )
+
+    async def _read_engine(self, registry: Registry, unit: str, endpoint: str | None) -> _Reading:
+        try:
+            state = await self.units.state(unit)
+            pids = tuple(sorted(await self.units.pids(unit)))
+        except UnitError as err:
+            raise MeasurementRefused(f"cannot read {unit}: {err}") from None
+        if state.active_state != "active":
+            raise MeasurementRefused(
+                f"{unit} is not running ({state.active_state}/{state.sub_state}): start it, "
+                "let it load, then measure"
+            )
+        if endpoint is not None and not await engines.health(endpoint, timeout_s=self.http_s):
+            raise MeasurementRefused(
+                f"{endpoint}/health is not 200: measure once the engine has loaded"
+            )
+        if not pids:
+            raise MeasurementRefused(f"engine PID not found: {unit} has no process")
+        readings = await self.host.read_devices()
+        usage = gpu_usage_of({k: r for k, r in readings.items() if r.kind is DeviceKind.GPU}, pids)
+        if not usage:
+            absent = [
+                f"{k}: {r.error}" for k, r in readings.items() if r.source is ProbeSource.ABSENT
+            ]
+            why = f" (unreadable: {'; '.join(absent)})" if absent else ""
+            raise MeasurementRefused(
+                f"engine PID not found: none of {unit}'s processes "
+                f"({', '.join(map(str, pids))}) holds memory on a GPU{why}"
+            )
+        if len(usage) > 1:
+            spread = ", ".join(f"{k} {v:,.0f} MiB" for k, v in usage.items())
+            raise MeasurementRefused(
+                f"{unit} holds memory on several devices ({spread}); a config is placed on one"
+            )
+        device, gpu_mib = next(iter(usage.items()))
+        if gpu_mib < self.floor_mib:
+            raise MeasurementRefused(
+                f"resident_gpu_mib {gpu_mib:,.1f} MiB on {device} is below the sanity floor "
+                f"of {self.floor_mib:g} MiB: the model is not loaded (or the driver does "
+                "not report per-process memory)"
+            )
+        return _Reading(unit, state.main_pid, pids, device, gpu_mib, readings[device])
+
+    async def _check_foreign(self, registry: Registry, seen: _Reading) -> None:
+        """Refuse a reading that includes another backend's allocation."""
+        holders = {p.pid for p in seen.reading.processes if p.used_mib > 0}
+        for other in _other_units(registry, seen.unit):
+            try:
+                shared = holders.intersection(seen.pids, await self.units.pids(other))
+            except UnitError:
+                continue
+            if shared:
+                raise MeasurementRefused(
+                    f"the reading includes another backend's allocation: PID(s) "
+                    f"{', '.join(map(str, sorted(shared)))} also belong to {other}"
+                )
+        leftovers = await asyncio.to_thread(_older_than, seen.main_pid, holders & set(seen.pids))
+        if leftovers:
+            rows = ", ".join(f"pid {pid} `{_command(pid)}`" for pid in leftovers)
+            raise MeasurementRefused(
+                f"the reading includes another backend's allocation: {rows} in {seen.unit}'s "
+                f"cgroup predate its main process {seen.main_pid} (left over from an earlier "
+                "run); stop the unit, end the leftover, start it again"
+            )
+
+    async def _derived_reserve(
+        self, registry: Registry, seen: _Reading, device: Device | None
+    ) -> tuple[int, float]:
+        """``total − free − Σ backends`` (rounded up), and the backends' sum."""
+        backend_pids = set(seen.pids)
+        for unit in _other_units(registry, seen.unit):
+            try:
+                backend_pids.update(await self.units.pids(unit))
+            except UnitError:
+                continue
+        reading = seen.reading
+        backends = sum(p.used_mib for p in reading.processes if p.pid in backend_pids)
+        derived = reading.total_mib - reading.free_mib - backends
+        capacity = min(reading.total_mib, device.total_mib) if device else reading.total_mib
+        if derived < -0.5:
+            raise MeasurementRefused(
+                f"derived reserved_mib for {seen.device} is negative ({derived:,.0f} MiB: total "
+                f"{reading.total_mib:,.0f} − free {reading.free_mib:,.0f} − backends "
+                f"{backends:,.0f}): the probe contradicts itself"
+            )
+        if derived > capacity:
+            raise MeasurementRefused(
+                f"derived reserved_mib for {seen.device} ({derived:,.0f} MiB) exceeds its "
+                f"capacity ({capacity:,.0f} MiB; registry total_mib "
+                f"{device.total_mib if device else '?'}, probe {reading.total_mib:,.0f})"
+            )
+        return max(0, math.ceil(derived)), backends
+
+    async def _geometry(self, config: Config, endpoint: str | None) -> dict[str, Any]:
+        """KV geometry and diagnostics the engine reports; nothing it does not."""
+        out: dict[str, Any] = {}
+        if endpoint is None:
+            return out
+        try:
+            metrics = await engines.metrics(endpoint, timeout_s=self.http_s)
+        except engines.EngineError:
+            metrics = {}
+        pool = _positive_int(metrics.get("max_context"))
+        if pool is not None:
+            out["context_pool_cells"] = pool
+            out["kv_resident_cells"] = config.kv_resident_cells or pool
+        kv = metrics.get("kv")
+        if isinstance(kv, str) and kv:
+            out["kv"] = kv
+        for name in ("expert_cache_mib", "arena_mib"):
+            value = metrics.get(name)
+            if isinstance(value, float) and value >= 0:
+                out[name] = value
+        slots = await engines.slots(endpoint, timeout_s=self.http_s)
+        if slots:
+            per_slot = _positive_int(slots[0].get("n_ctx"))
+            if per_slot is not None:
+                out["per_session_cap_cells"] = per_slot
+        return out
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _other_units(registry: Registry, unit: str) -> list[str]:
+    units = {
+        unit_file_name(u)
+        for model in registry.models.values()
+        for config in model.configs.values()
+        if (u := model.unit_for(config))
+    }
+    units.discard(unit)
+    return sorted(units)
+
+
+def _config_fields(config: Config, geometry: Mapping[str, Any]) -> dict[str, Any]:
+    """The config entry to write: what the registry states, then what was measured.
+
+    The local file replaces a config *whole*, so the repo's flags, unit and
+    endpoint are carried over or they would be lost.
+    """
+    out: dict[str, Any] = {"status": "measured"}
+    kept = {
+        "context_pool_cells": config.context_pool_cells,
+        "per_session_cap_cells": config.per_session_cap_cells,
+        "kv_resident_cells": config.kv_resident_cells,
+        "kv_mib_per_1k_cells": config.kv_mib_per_1k_cells,
+        "kv": config.kv,
+        "unit": config.unit,
+        "endpoint": config.endpoint,
+    }
+    out.update({k: v for k, v in kept.items() if v is not None})
+    if config.flags:
+        out["flags"] = list(config.flags)
+    out.update(geometry)
+    return out
+
+
+def _positive_int(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value) if math.isfinite(value) and value >= 1 else None
+
+
+def _older_than(main_pid: int, pids: set[int]) -> list[int]:
+    """The PIDs created before ``main_pid`` (PIDs that are gone are skipped)."""
+    try:
+        main_started = psutil.Process(main_pid).create_time()
+    except psutil.Error:
+        return []
+    older = []
+    for pid in sorted(pids - {main_pid}):
+        try:
+            if psutil.Process(pid).create_time() < main_started:
+                older.append(pid)
+        except psutil.Error:
+            continue
+    return older
+
+
+def _command(pid: int) -> str:
+    try:
+        process = psutil.Process(pid)
+        return " ".join(process.cmdline()) or process.name()
+    except psutil.Error:
+        return "?"
+
+
+def _host_free_mib() -> float:
+    return psutil.virtual_memory().available / MIB
