@@ -109,6 +109,11 @@ class Paths:
         return self.data_home / "dbus-1" / "services"
 
     @property
+    def enforcement_timeouts(self) -> Path:
+        """Optional overrides of the enforcement timeouts (``enforce.Timeouts.load``)."""
+        return self.uap_home / "enforcement-timeouts.json"
+
+    @property
     def token_file(self) -> Path:
         return self.runtime_dir / "uapplace" / "token"
 

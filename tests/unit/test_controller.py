@@ -1,0 +1,279 @@
+"""The controller without a bus: real registry files, real ledger, simulated GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from uapplace.controller import Controller, ResidentRow
+from uapplace.errors import InvalidArgument, NotFound, UnknownModel
+from uapplace.ledger import Ledger, LedgerDoc
+from uapplace.model import (
+    Holder,
+    ParkReason,
+    PendingEntry,
+    Resident,
+    ResidentState,
+    parse_iso,
+)
+from uapplace.paths import Paths
+from uapplace.sim.gpu import SimGpu, sim_uuid
+
+MEASURED = {
+    "host_rss_mib": 2000,
+    "kv_resident_cells": 32768,
+    "kv_mib_per_1k_cells": 10,
+    "measured_at": "2026-01-01T00:00:00Z",
+    "measured_on": "gpu0",
+}
+REGISTRY = {
+    "version": 1,
+    "devices": {
+        "gpu0": {"kind": "gpu", "total_mib": 24576, "reserved_mib": 1024, "uuid": sim_uuid(0)},
+        "cpu0": {"kind": "cpu", "total_mib": 65536, "reserved_mib": 1024},
+    },
+    "models": {
+        "alpha": {
+            "display": "Alpha",
+            "engine": "llama.cpp",
+            "unit": "uap-alpha",
+            "endpoint": "http://127.0.0.1:18080",
+            "rails": 1,
+            "advertises": ["alpha-chat"],
+            "configs": {"alpha-q4": {"resident_gpu_mib": 8000, **MEASURED}},
+        },
+    },
+}
+START = parse_iso("2026-06-01T12:00:00Z")
+
+
+class Recorder:
+    """Collects what the controller reports (the bus service's side of the port)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, Any]] = []
+
+    def on_parked(self, entry: PendingEntry) -> None:
+        self.seen.append(("parked", entry.id))
+
+    def on_resolved(self, placement_id: str, outcome: str) -> None:
+        self.seen.append(("resolved", (placement_id, outcome)))
+
+    def on_resident_changed(self, row: ResidentRow) -> None:
+        self.seen.append(("resident", row))
+
+    def on_enforcement_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
+        self.seen.append(("step", (run_id, step, ok, detail)))
+
+    def on_pending_count(self, count: int) -> None:
+        self.seen.append(("pending_count", count))
+
+    def on_residents(self, rows: list[ResidentRow]) -> None:
+        self.seen.append(("residents", rows))
+
+    def of(self, kind: str) -> list[Any]:
+        return [value for seen_kind, value in self.seen if seen_kind == kind]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = START
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def paths(tmp_path: Path) -> Paths:
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "model-registry.json").write_text(json.dumps(REGISTRY))
+    (config / "capacity-policy.json").write_text(json.dumps({"services": []}))
+    SimGpu(tmp_path / "sim.json").create([("sim", 24576)])
+    return Paths.from_env(
+        {
+            "HOME": str(tmp_path),
+            "UAP_HOME": str(tmp_path / "home"),
+            "UAPPLACE_CONFIG_DIR": str(config),
+            "UAPPLACE_SIM_GPU": str(tmp_path / "sim.json"),
+            "XDG_RUNTIME_DIR": str(tmp_path / "run"),
+        }
+    )
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def events() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def controller(paths: Paths, clock: Clock, events: Recorder) -> Controller:
+    made = Controller.open(paths, clock=clock)
+    made.events = events
+    return made
+
+
+def resident(state: ResidentState = ResidentState.HOT) -> Resident:
+    return Resident(
+        model="alpha",
+        config="alpha-q4",
+        device="gpu0",
+        engine="llama.cpp",
+        endpoint="http://127.0.0.1:18080",
+        unit="uap-alpha",
+        state=state,
+        gpu_mib=8000,
+        host_rss_mib=2000,
+        since="2026-01-01T00:00:00Z",
+    )
+
+
+async def settle(controller: Controller) -> None:
+    """Let scheduled after-answer work (Parked, planning) run to completion."""
+    await asyncio.sleep(0)
+    while controller._background:
+        await asyncio.gather(*controller._background)
+
+
+async def test_a_new_park_is_reported_after_the_answer(
+    controller: Controller, events: Recorder
+) -> None:
+    decision = controller.admit("alpha", "c1", "s", 0)
+    assert decision.decision == "park" and decision.reason == "not_resident"
+    assert events.of("parked") == []  # nothing runs before the answer is sent
+    await settle(controller)
+    assert events.of("parked") == [decision.placement_id]
+    assert events.of("pending_count") == [1]
+    entry = controller.admission.get(decision.placement_id)
+    assert entry is not None and entry.options[0].config == "alpha-q4"
+
+    again = controller.admit("alpha", "c1", "s", 0)
+    await settle(controller)
+    assert again.placement_id == decision.placement_id
+    assert events.of("parked") == [decision.placement_id]
+
+
+async def test_a_forward_touches_usage_and_persists_it(
+    controller: Controller, clock: Clock, paths: Paths
+) -> None:
+    controller.upsert_resident(resident())
+    decision = controller.admit("alpha-chat", "c1", "", 0)
+    assert decision.decision == "forward"
+    assert decision.target_id == "gpu0:http://127.0.0.1:18080"
+    assert controller.usage == {"alpha": clock.now}
+    await controller.flush()
+    stored = Ledger(paths.ledger).read()
+    assert stored.usage == {"alpha": clock.now}
+    assert [r.model for r in stored.residents] == ["alpha"]
+    assert stored.devices["gpu0"].source.value == "sim"
+
+
+async def test_expired_entries_resolve_as_expired(
+    controller: Controller, clock: Clock, events: Recorder
+) -> None:
+    placement_id = controller.admit("alpha", "c1", "", 0).placement_id
+    await settle(controller)
+    assert controller.expire() == []
+    clock.now += controller.admission.ttl + 1
+    assert [e.id for e in controller.expire()] == [placement_id]
+    assert events.of("resolved") == [(placement_id, "expired")]
+    assert controller.pending_count == 0
+
+
+async def test_a_resident_that_serves_a_park_resolves_it_as_forwarded(
+    controller: Controller, events: Recorder
+) -> None:
+    placement_id = controller.admit("alpha-chat", "c1", "", 0).placement_id
+    await settle(controller)
+    controller.upsert_resident(resident(ResidentState.WARMING))
+    assert events.of("resolved") == [(placement_id, "forwarded")]
+    assert events.of("resident")[-1] == ("alpha", "alpha-q4", "gpu0", "warming")
+    controller.drop_resident("alpha", "alpha-q4", "gpu0")
+    assert events.of("resident")[-1] == ("alpha", "alpha-q4", "gpu0", "gone")
+    assert controller.admit("alpha", "c1", "", 0).decision == "park"
+    await settle(controller)
+
+
+async def test_dismiss_and_unknown_ids(controller: Controller, events: Recorder) -> None:
+    placement_id = controller.admit("alpha", "c1", "", 0).placement_id
+    await settle(controller)
+    assert controller.dismiss(placement_id) is True
+    assert events.of("resolved") == [(placement_id, "dismissed")]
+    with pytest.raises(NotFound, match=f"no pending placement {placement_id}"):
+        controller.dismiss(placement_id)
+
+
+def test_restore_drops_expired_entries_and_live_holders(
+    controller: Controller, clock: Clock
+) -> None:
+    def entry(placement_id: str, client: str, expires_at: float) -> PendingEntry:
+        return PendingEntry(
+            placement_id, "alpha", client, None, START - 10, expires_at, ParkReason.NOT_RESIDENT
+        )
+
+    held = replace(resident(), holders=(Holder("x", "hold", cookie=3),))
+    doc = LedgerDoc(
+        residents=[held],
+        pending=[entry("plc-000001", "a", START + 60), entry("plc-000002", "b", START - 1)],
+        usage={"alpha": START - 5},
+        cooldowns={"alpha": START - 1},
+    )
+    controller.restore(doc)
+    assert [e.id for e in controller.pending_entries()] == ["plc-000001"]
+    assert controller.residents[0].holders == ()
+    assert controller.usage == {"alpha": START - 5}
+    assert controller.cooldowns == {}
+
+
+async def test_holds_pin_residents_and_end_with_their_sender(controller: Controller) -> None:
+    controller.upsert_resident(resident())
+    cookie = await controller.hold("alpha-chat", "eval", "bench", ":1.42")
+    (pinned,) = controller.residents_with_holders(None)
+    assert [(h.kind, h.client, h.cookie) for h in pinned.holders] == [("hold", "bench", cookie)]
+    controller.drop_holds_of(":1.41")
+    assert cookie in controller.holds
+    controller.drop_holds_of(":1.42")
+    assert controller.holds == {}
+    with pytest.raises(NotFound):
+        controller.release(cookie)
+    with pytest.raises(UnknownModel):
+        await controller.hold("nope", "eval", "bench", ":1.42")
+
+
+async def test_standing_consent_needs_consent(controller: Controller) -> None:
+    with pytest.raises(InvalidArgument, match="allow_displace"):
+        await controller.set_auto_policy({"allow_displace": ["alpha"]}, consent=False)
+
+
+async def test_a_bad_reload_keeps_the_last_good_registry(
+    controller: Controller, paths: Paths
+) -> None:
+    paths.repo_registry.write_text("{")
+    report = await controller.validate()
+    assert report["ok"] is False
+    assert report["findings"][0]["file"] == str(paths.repo_registry)
+    assert "alpha" in controller.load.registry.models
+    assert controller.admit("alpha", "c9", "", 0).reason == "not_resident"
+    paths.repo_registry.write_text(json.dumps(REGISTRY))
+    assert (await controller.validate())["ok"] is True
+    assert controller.reload_error is None
+
+
+async def test_shutdown_flushes_pending_entries(controller: Controller, paths: Paths) -> None:
+    controller.start_background()
+    placement_id = controller.admit("alpha", "c1", "", 0).placement_id
+    await settle(controller)
+    await controller.shutdown(wait_s=1)
+    stored = Ledger(paths.ledger).read()
+    assert [p.id for p in stored.pending] == [placement_id]
+    assert stored.pending[0].options[0].config == "alpha-q4"

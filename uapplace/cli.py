@@ -1,0 +1,849 @@
+"""``uapplace``: the operator's command line. Every command is one or two bus calls.
+
+When ``uapplaced`` is not reachable, ``status`` and ``pending`` read the ledger
+file directly (and say so), ``validate`` checks the files itself, and every
+write refuses with exit code 3 rather than race a live writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
+
+import typer
+from dbus_fast import Message, MessageType
+from rich.console import Console
+from rich.table import Table
+
+from uapplace import __version__
+from uapplace.client import PlacementClient, PlacementError, user_bus_address
+from uapplace.model import DEFAULT_CELLS, parse_iso
+from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH, Paths
+
+if TYPE_CHECKING:
+    from uapplace.install import InstallReport
+
+# The ledger, registry and install modules build pydantic schemas at import
+# (~0.3 s); the commands that need them import them, so `status` stays quick.
+
+T = TypeVar("T")
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_NOT_AUTHORIZED = 4
+EXIT_DRIFTED = 5
+EXIT_BUSY = 6
+EXIT_NOT_FOUND = 7
+
+EXIT_CODES_HELP = """\b
+Exit codes:
+  0  ok
+  1  refused or failed: validation errors, a failed or rolled-back enforcement,
+     a consent flag or apply without --yes, "not implemented yet"
+  2  bad usage or an invalid argument
+  3  uapplaced not reachable (status/pending/validate read the files instead;
+     writes never fall back)
+  4  not authorized (polkit, or not the daemon's user)
+  5  drifted: the victim set changed since it was shown
+  6  busy: another enforcement is running, or the daemon is stopping
+  7  not found: unknown placement id, hold cookie, model or config
+"""
+
+_EXIT_BY_ERROR = {
+    "NotAuthorized": EXIT_NOT_AUTHORIZED,
+    "Drifted": EXIT_DRIFTED,
+    "Busy": EXIT_BUSY,
+    "NotFound": EXIT_NOT_FOUND,
+    "UnknownModel": EXIT_NOT_FOUND,
+    "InvalidArgument": EXIT_USAGE,
+    "org.freedesktop.DBus.Error.InvalidArgs": EXIT_USAGE,
+    "Failed": EXIT_REFUSED,
+}
+_UNREACHABLE_ERRORS = frozenset(
+    {
+        "org.freedesktop.DBus.Error.ServiceUnknown",
+        "org.freedesktop.DBus.Error.NameHasNoOwner",
+        "org.freedesktop.DBus.Error.NoReply",
+        "org.freedesktop.DBus.Error.Timeout",
+        "org.freedesktop.DBus.Error.Disconnected",
+        "org.freedesktop.DBus.Error.NoServer",
+        "org.freedesktop.DBus.Error.Spawn.ChildExited",
+        "org.freedesktop.DBus.Error.Spawn.ExecFailed",
+        "org.freedesktop.DBus.Error.Spawn.Failed",
+        "org.freedesktop.systemd1.NoSuchUnit",
+    }
+)
+
+app = typer.Typer(
+    help=(
+        "Operator-directed placement of local AI model backends. Talks to uapplaced "
+        "(org.uap.Placement1 on the user bus)."
+    ),
+    epilog=EXIT_CODES_HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+# Piped output (scripts, tests) gets wide lines rather than tables folded at 80 columns.
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+class Unreachable(Exception):
+    """No bus, or nobody owns org.uap.Placement1 on it."""
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    err.print(f"uapplace: {message}", markup=False)
+    raise typer.Exit(code)
+
+
+def _exit_for(error: PlacementError) -> int:
+    return _EXIT_BY_ERROR.get(error.short, EXIT_REFUSED)
+
+
+async def _session(work: Callable[[PlacementClient], Awaitable[T]]) -> T:
+    address = user_bus_address()
+    try:
+        client = await PlacementClient.connect(address)
+    except Exception as error:
+        raise Unreachable(f"cannot reach the user bus at {address}: {error}") from None
+    try:
+        return await work(client)
+    except PlacementError as error:
+        if error.name in _UNREACHABLE_ERRORS:
+            raise Unreachable(
+                f"uapplaced is not running ({BUS_NAME} has no owner on {address}): {error.message}"
+            ) from None
+        raise
+    finally:
+        client.disconnect()
+
+
+def _call(work: Callable[[PlacementClient], Awaitable[T]]) -> T:
+    """Run one bus conversation; map failures to the documented exit codes."""
+    try:
+        return asyncio.run(_session(work))
+    except Unreachable as error:
+        _fail(EXIT_UNREACHABLE, str(error))
+    except PlacementError as error:
+        _fail(_exit_for(error), f"{error.short}: {error.message}")
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def _mib(value: Any) -> str:
+    if value is None:
+        return "?"
+    return f"{float(value):,.0f} MiB"
+
+
+def _in(seconds_from_now: float) -> str:
+    if seconds_from_now <= 0:
+        return "expired"
+    return f"in {seconds_from_now:.0f}s"
+
+
+# --------------------------------------------------------------------------- version
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"uapplace {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """uapplace: operator-directed placement of local AI model backends."""
+
+
+# --------------------------------------------------------------------------- reads
+
+
+def _read_ledger(paths: Paths) -> dict[str, Any]:
+    """The ledger file, read-only (never moved aside: that is the daemon's job)."""
+    from uapplace.ledger import LedgerFormatError, doc_to_json, parse_ledger_text
+
+    try:
+        raw = paths.ledger.read_bytes()
+    except FileNotFoundError:
+        return {"version": 1, "devices": {}, "residents": [], "pending": [], "usage": {}}
+    except OSError as error:
+        _fail(EXIT_UNREACHABLE, f"uapplaced is not running, and {paths.ledger}: {error}")
+    try:
+        doc = parse_ledger_text(raw)
+    except LedgerFormatError as error:
+        _fail(
+            EXIT_REFUSED,
+            f"uapplaced is not running, and {paths.ledger} is corrupt ({error}); "
+            "uapplaced moves it aside when it starts",
+        )
+    return doc_to_json(doc)
+
+
+def _offline_note(paths: Paths, as_json: bool) -> str:
+    note = f"uapplaced is not running; read from {paths.ledger}"
+    (err if as_json else out).print(note, markup=False)
+    return note
+
+
+def _state_or_ledger(as_json: bool) -> dict[str, Any]:
+    try:
+        state: dict[str, Any] = asyncio.run(_session(lambda c: c.get_state()))
+        return state
+    except Unreachable:
+        paths = Paths.from_env()
+        _offline_note(paths, as_json)
+        doc = _read_ledger(paths)
+        doc["daemon"] = False
+        doc["ledger_path"] = str(paths.ledger)
+        return doc
+    except PlacementError as error:
+        _fail(_exit_for(error), f"{error.short}: {error.message}")
+
+
+@app.command()
+def status(as_json: JsonFlag = False) -> None:
+    """Residents, devices (free / reserved), holders, holds and pending count."""
+    state = _state_or_ledger(as_json)
+    if as_json:
+        _print_json(state)
+        return
+    devices = Table(title="Devices", title_justify="left")
+    for column in ("device", "kind", "total", "free", "reserved", "source"):
+        devices.add_column(column)
+    for key, device in state.get("devices", {}).items():
+        devices.add_row(
+            key,
+            str(device.get("kind", "")),
+            _mib(device.get("total_mib")),
+            _mib(device.get("free_mib")),
+            _mib(device.get("reserved_mib")) if "reserved_mib" in device else "-",
+            str(device.get("source", ""))
+            + (f" ({device['error']})" if device.get("error") else ""),
+        )
+    out.print(devices)
+    residents = Table(title="Residents", title_justify="left")
+    for column in ("model", "config", "device", "state", "gpu", "endpoint", "holders"):
+        residents.add_column(column)
+    for resident in state.get("residents", []):
+        holders = ", ".join(
+            f"{h['client']} ({h['kind']}{': ' + h['detail'] if h.get('detail') else ''})"
+            for h in resident.get("holders", [])
+        )
+        residents.add_row(
+            resident["model"],
+            resident["config"],
+            resident["device"],
+            resident["state"],
+            _mib(resident.get("gpu_mib")),
+            str(resident.get("endpoint") or "-"),
+            holders or "-",
+        )
+    if state.get("residents"):
+        out.print(residents)
+    else:
+        out.print("Residents: none")
+    holds = state.get("holds", [])
+    for hold in holds:
+        out.print(
+            f"hold {hold['cookie']}: {hold['model']} by {hold['app_id'] or hold['sender']}: "
+            f"{hold['reason']}",
+            markup=False,
+        )
+    count = len(state.get("pending", []))
+    out.print(f"Pending: {count}" + (" (see `uapplace pending`)" if count else ""), markup=False)
+    registry = state.get("registry") or {}
+    if registry.get("reload_error"):
+        out.print(f"registry reload failed: {registry['reload_error']}", markup=False)
+
+
+def _option_line(index: int, option: dict[str, Any], recommended: int | None) -> str:
+    kind = option["kind"]
+    target = f"{option['model']}/{option['config']} on {option['device']}"
+    line = f"  {index}. {kind} {target}, costs {_mib(option.get('cost_mib'))}"
+    if kind == "displace":
+        stops = ", ".join(f"{v['model']}/{v['config']}" for v in option.get("victims", []))
+        line += f"; stops {stops}, frees {_mib(option.get('frees_mib'))}"
+    if index == recommended:
+        line += "  (recommended)"
+    return line
+
+
+@app.command()
+def pending(as_json: JsonFlag = False) -> None:
+    """Parked requests with their ranked options."""
+    try:
+        listed: dict[str, Any] = asyncio.run(_session(lambda c: c.list_pending()))
+    except Unreachable:
+        paths = Paths.from_env()
+        note = _offline_note(paths, as_json)
+        listed = {"pending": _read_ledger(paths)["pending"], "daemon": False, "note": note}
+    except PlacementError as error:
+        _fail(_exit_for(error), f"{error.short}: {error.message}")
+    if as_json:
+        _print_json(listed)
+        return
+    entries = listed.get("pending", [])
+    if not entries:
+        out.print("No pending placements.")
+        return
+    now = time.time()
+    for entry in entries:
+        expires = _in(parse_iso(entry["expires_at"]) - now)
+        out.print(
+            f"{entry['id']}  {entry['requested_model']}  from {entry['client']}  "
+            f"reason {entry['reason']}  expires {expires}",
+            markup=False,
+        )
+        options = entry.get("options", [])
+        if not options:
+            out.print("  no options (nothing feasible, or still being computed)")
+        for index, option in enumerate(options, start=1):
+            out.print(_option_line(index, option, entry.get("recommended")), markup=False)
+    out.print("Apply one with `uapplace apply ID OPTION` (it shows the impact first).")
+
+
+@app.command()
+def preview(
+    model: Annotated[str, typer.Argument(help="Model key, config key or advertised id.")],
+    cells: Annotated[
+        int, typer.Option("--cells", min=1, help="Context the request needs (cells).")
+    ] = DEFAULT_CELLS,
+    as_json: JsonFlag = False,
+) -> None:
+    """What placing MODEL would take: options, victims, why others are infeasible."""
+    plan: dict[str, Any] = _call(lambda c: c.preview(model, cells))
+    if as_json:
+        _print_json(plan)
+        return
+    out.print(f"{plan['model']}: {plan['reason']}", markup=False)
+    for index, option in enumerate(plan.get("options", []), start=1):
+        out.print(_option_line(index, option, 1), markup=False)
+    for line in plan.get("infeasible", []):
+        out.print(f"  infeasible: {line}", markup=False)
+
+
+# --------------------------------------------------------------------------- apply
+
+
+def _impact_lines(entry: dict[str, Any], option_index: int, option: dict[str, Any]) -> list[str]:
+    target = f"{option['model']}/{option['config']} on {option['device']}"
+    lines = [
+        f"Placement {entry['id']} ({entry['requested_model']} for {entry['client']}): "
+        f"option {option_index} = {option['kind']} {target}, costs {_mib(option.get('cost_mib'))}."
+    ]
+    victims = option.get("victims", [])
+    if not victims:
+        lines.append("It stops nothing.")
+        return lines
+    lines.append("It stops:")
+    for victim in victims:
+        holders = ", ".join(f"{h['client']} ({h['kind']})" for h in victim.get("holders", []))
+        in_flight = {True: "yes", False: "no", None: "unknown (counts as busy)"}[
+            victim.get("in_flight")
+        ]
+        lines.append(
+            f"  - {victim['model']}/{victim['config']} on {victim['device']} [{victim['state']}]: "
+            f"holders {holders or 'none'}; in flight {in_flight}; frees "
+            f"{_mib(victim.get('frees_mib'))}; {victim['consequence']}"
+        )
+    lines.append(f"Frees {_mib(option.get('frees_mib'))} in total.")
+    return lines
+
+
+def _steps(result: dict[str, Any]) -> None:
+    for step in result.get("steps", []):
+        mark = "ok" if step.get("ok") else "FAILED"
+        detail = f": {step['detail']}" if step.get("detail") else ""
+        out.print(f"  {step['name']}: {mark}{detail}", markup=False)
+    if result.get("rolledBack"):
+        out.print("  rolled back to the previous residents")
+    if result.get("error"):
+        out.print(f"  error: {result['error']}", markup=False)
+
+
+def _finish_result(result: dict[str, Any], as_json: bool, what: str) -> None:
+    if as_json:
+        _print_json(result)
+    else:
+        out.print(f"{what}: {'done' if result.get('ok') else 'failed'}", markup=False)
+        _steps(result)
+    if not result.get("ok"):
+        raise typer.Exit(EXIT_REFUSED)
+
+
+@app.command()
+def apply(
+    placement_id: Annotated[str, typer.Argument(metavar="ID", help="Placement id (plc-xxxxxx).")],
+    option: Annotated[int, typer.Argument(min=1, help="1-based option number from `pending`.")],
+    yes: Annotated[
+        bool, typer.Option("--yes", help="Really do it: stop the victims shown and load.")
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Show the impact of OPTION for placement ID; with --yes, enforce exactly that."""
+
+    async def work(client: PlacementClient) -> dict[str, Any]:
+        listed = await client.list_pending()
+        entry = next((e for e in listed.get("pending", []) if e["id"] == placement_id), None)
+        if entry is None:
+            raise PlacementError(
+                "org.uap.Placement1.Error.NotFound",
+                f"no pending placement {placement_id} (it may have expired or been resolved)",
+            )
+        options = entry.get("options", [])
+        if not 1 <= option <= len(options):
+            raise PlacementError(
+                "org.uap.Placement1.Error.InvalidArgument",
+                f"option {option} is out of range: placement {placement_id} has "
+                + (f"options 1..{len(options)}" if options else "no options"),
+            )
+        chosen = options[option - 1]
+        for line in _impact_lines(entry, option, chosen):
+            (err if as_json else out).print(line, markup=False)
+        if not yes:
+            return {"applied": False}
+        expected = [{"model": v["model"], "config": v["config"]} for v in chosen.get("victims", [])]
+        result: dict[str, Any] = await client.apply(placement_id, option, expected)
+        return {"applied": True, "result": result}
+
+    outcome = _call(work)
+    if not outcome["applied"]:
+        _fail(EXIT_REFUSED, "not applied: re-run with --yes to do exactly this")
+    _finish_result(outcome["result"], as_json, f"apply {placement_id} option {option}")
+
+
+@app.command()
+def dismiss(
+    placement_id: Annotated[str, typer.Argument(metavar="ID", help="Placement id (plc-xxxxxx).")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Refuse a parked request; its client gets a clean fallback."""
+    dismissed = _call(lambda c: c.dismiss(placement_id))
+    if as_json:
+        _print_json({"dismissed": dismissed, "placement_id": placement_id})
+    else:
+        out.print(f"dismissed {placement_id}", markup=False)
+
+
+@app.command()
+def load(
+    model: Annotated[str, typer.Argument(help="Model to load (operator-initiated).")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Load MODEL now, through the same gate and enforcement as apply."""
+    _finish_result(_call(lambda c: c.load(model)), as_json, f"load {model}")
+
+
+@app.command()
+def unload(
+    model: Annotated[str, typer.Argument(help="Resident model to stop.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Stop MODEL (drain, in-flight refusal, verify the memory came back)."""
+    _finish_result(_call(lambda c: c.unload(model)), as_json, f"unload {model}")
+
+
+@app.command()
+def units(as_json: JsonFlag = False) -> None:
+    """Write Conflicts= drop-ins for units that share a device."""
+    written: list[str] = _call(lambda c: c.write_units())
+    if as_json:
+        _print_json({"written": written})
+        return
+    for path in written:
+        out.print(f"wrote {path}", markup=False)
+    if not written:
+        out.print("nothing to write")
+
+
+@app.command()
+def measure(
+    model: Annotated[str, typer.Argument(help="Model key.")],
+    config: Annotated[str, typer.Argument(help="Config key (default: the resident one).")] = "",
+    as_json: JsonFlag = False,
+) -> None:
+    """Record MODEL's measured footprint from its live engine into the local registry."""
+    result: dict[str, Any] = _call(lambda c: c.measure(model, config))
+    if as_json:
+        _print_json(result)
+    else:
+        out.print(json.dumps(result, indent=2), markup=False)
+
+
+# --------------------------------------------------------------------------- validate
+
+
+def _validate_locally() -> dict[str, Any]:
+    from uapplace.capacity import has_errors, load_policy
+    from uapplace.capacity import validate as validate_files
+    from uapplace.registry import ConfigFileError, load_registry, provenance_rows
+
+    paths = Paths.from_env()
+    try:
+        loaded = load_registry(paths.repo_registry, paths.local_registry)
+    except ConfigFileError as error:
+        findings = [
+            {
+                "severity": "error",
+                "file": str(e.file),
+                "json_path": e.json_path,
+                "message": e.message,
+            }
+            for e in error.every()
+        ]
+        return {
+            "ok": False,
+            "errors": len(findings),
+            "warnings": 0,
+            "findings": findings,
+            "provenance": [],
+            "daemon": False,
+        }
+    try:
+        policy = load_policy(paths.capacity_policy)
+        problems = []
+    except ConfigFileError as error:
+        policy = None
+        problems = [
+            {
+                "severity": "error",
+                "file": str(e.file),
+                "json_path": e.json_path,
+                "message": e.message,
+            }
+            for e in error.every()
+        ]
+    checked = validate_files(loaded, policy)
+    findings = problems + [f.to_json() for f in checked]
+    return {
+        "ok": not problems and not has_errors(checked),
+        "errors": sum(1 for f in findings if f["severity"] == "error"),
+        "warnings": sum(1 for f in findings if f["severity"] == "warning"),
+        "findings": findings,
+        "provenance": provenance_rows(loaded),
+        "daemon": False,
+    }
+
+
+def _grouped_provenance(rows: list[dict[str, str]]) -> list[tuple[tuple[str, str, str], list[str]]]:
+    """One line per entry and file: ``$.devices.gpu0 local reserved_mib, uuid``."""
+    grouped: dict[tuple[str, str, str], list[str]] = {}
+    for row in rows:
+        grouped.setdefault((row["entry"], row["source"], row["file"]), []).append(row["field"])
+    return list(grouped.items())
+
+
+@app.command()
+def validate(as_json: JsonFlag = False) -> None:
+    """Cross-check the registry files and the capacity policy; print provenance.
+
+    Exits 1 when there is any error. Without uapplaced, checks the files directly."""
+    try:
+        report: dict[str, Any] = asyncio.run(_session(lambda c: c.validate()))
+    except Unreachable:
+        (err if as_json else out).print(
+            "uapplaced is not running; validated the files directly", markup=False
+        )
+        report = _validate_locally()
+    except PlacementError as error:
+        _fail(_exit_for(error), f"{error.short}: {error.message}")
+    if as_json:
+        _print_json(report)
+    else:
+        for finding in report["findings"]:
+            out.print(
+                f"{finding['severity']}: {finding['file']}: {finding.get('json_path', '$')}: "
+                f"{finding['message']}",
+                markup=False,
+            )
+        table = Table(title="Provenance", title_justify="left")
+        for column in ("entry", "source", "fields", "file"):
+            table.add_column(column)
+        for (entry, source, file), fields in _grouped_provenance(report.get("provenance", [])):
+            table.add_row(entry, source, ", ".join(fields), file)
+        out.print(table)
+        out.print(f"{report['errors']} error(s), {report['warnings']} warning(s)", markup=False)
+    if not report["ok"]:
+        raise typer.Exit(EXIT_REFUSED)
+
+
+# --------------------------------------------------------------------------- auto
+
+
+@app.command()
+def auto(
+    enable: Annotated[bool, typer.Option("--enable", help="Turn auto-placement on.")] = False,
+    disable: Annotated[bool, typer.Option("--disable", help="Turn auto-placement off.")] = False,
+    allow_displace: Annotated[
+        list[str] | None,
+        typer.Option("--allow-displace", metavar="MODEL", help="May be displaced unattended."),
+    ] = None,
+    disallow_displace: Annotated[
+        list[str] | None, typer.Option("--disallow-displace", metavar="MODEL")
+    ] = None,
+    allow_unload: Annotated[
+        list[str] | None,
+        typer.Option("--allow-unload", metavar="MODEL", help="May be unloaded when idle."),
+    ] = None,
+    disallow_unload: Annotated[
+        list[str] | None, typer.Option("--disallow-unload", metavar="MODEL")
+    ] = None,
+    idle_after: Annotated[
+        int | None,
+        typer.Option("--idle-after", metavar="SECS", min=60, help="Idle time before unload."),
+    ] = None,
+    yes: Annotated[
+        bool, typer.Option("--yes", help="Record the standing consent the flags grant.")
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Show or change the auto policy. Without flags, prints it.
+
+    --allow-displace and --allow-unload record standing consent to stop models
+    unattended: they refuse without --yes and print what they would consent to."""
+    if enable and disable:
+        _fail(EXIT_USAGE, "--enable and --disable contradict each other")
+    changes: dict[str, Any] = {}
+    if enable:
+        changes["enable"] = True
+    if disable:
+        changes["disable"] = True
+    for key, names in (
+        ("allow_displace", allow_displace),
+        ("disallow_displace", disallow_displace),
+        ("allow_unload", allow_unload),
+        ("disallow_unload", disallow_unload),
+    ):
+        if names:
+            changes[key] = list(names)
+    if idle_after is not None:
+        changes["unload_idle_after_secs"] = idle_after
+    granting = [
+        *(f"displace {m} unattended to make room" for m in allow_displace or []),
+        *(f"unload {m} when it has been idle" for m in allow_unload or []),
+    ]
+    if granting and not yes:
+        for line in granting:
+            out.print(f"would consent to: {line}", markup=False)
+        _fail(EXIT_REFUSED, "standing consent not recorded: re-run with --yes")
+
+    async def work(client: PlacementClient) -> Any:
+        if changes:
+            return await client.set_auto_policy(changes, yes)
+        return await client.get_auto_policy()
+
+    policy = _call(work)
+    if as_json:
+        _print_json(policy)
+    else:
+        out.print(json.dumps(policy, indent=2), markup=False)
+
+
+# --------------------------------------------------------------------------- holds
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for number in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(number, stop.set)
+
+
+@app.command()
+def hold(
+    model: Annotated[str, typer.Argument(help="Model to pin: never a victim while held.")],
+    reason: Annotated[str, typer.Option("--reason", help="Why (shown to the operator).")],
+    app_id: Annotated[str, typer.Option("--app-id", help="Who holds it.")] = "uapplace-cli",
+    as_json: JsonFlag = False,
+) -> None:
+    """Pin MODEL until Ctrl-C. A hold lives as long as this command's bus connection:
+    it stays running, prints the cookie, and the hold ends when it exits."""
+
+    async def work(client: PlacementClient) -> None:
+        cookie = await client.hold(model, reason, app_id)
+        if as_json:
+            sys.stdout.write(json.dumps({"cookie": cookie, "model": model}) + "\n")
+        else:
+            sys.stdout.write(f"holding {model} (cookie {cookie}); Ctrl-C releases it\n")
+        sys.stdout.flush()
+        stop = asyncio.Event()
+        _stop_on_signals(stop)
+        lost = asyncio.ensure_future(client.bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
+        waiting = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({lost, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        if lost.done():
+            raise Unreachable("lost the bus connection; the hold has ended")
+        lost.cancel()
+        # Already gone (daemon restarted): nothing left to release.
+        with contextlib.suppress(PlacementError):
+            await client.release(cookie)
+
+    _call(work)
+
+
+@app.command()
+def release(
+    cookie: Annotated[int, typer.Argument(min=1, help="Cookie printed by `hold`.")],
+) -> None:
+    """End a hold by its cookie (normally the holding command does this on exit)."""
+    _call(lambda c: c.release(cookie))
+    out.print(f"released hold {cookie}")
+
+
+# --------------------------------------------------------------------------- watch
+
+_WATCHED = {
+    "Parked": ("placement_id", "model", "client", "reason"),
+    "Resolved": ("placement_id", "outcome"),
+    "ResidentChanged": ("model", "config", "device", "state"),
+    "EnforcementStep": ("run_id", "step", "ok", "detail"),
+}
+
+
+def _signal_line(member: str, body: list[Any], as_json: bool) -> str:
+    fields = dict(zip(_WATCHED[member], body, strict=False))
+    if as_json:
+        return json.dumps({"signal": member, "at": time.time(), **fields})
+    return member + " " + " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+@app.command()
+def watch(as_json: JsonFlag = False) -> None:
+    """Follow Parked, Resolved, ResidentChanged and EnforcementStep until Ctrl-C."""
+
+    async def work(client: PlacementClient) -> None:
+        bus = client.bus
+
+        def on_message(message: Message) -> None:
+            if (
+                message.message_type is MessageType.SIGNAL
+                and message.interface == INTERFACE
+                and message.member in _WATCHED
+            ):
+                sys.stdout.write(_signal_line(message.member, message.body, as_json) + "\n")
+                sys.stdout.flush()
+
+        bus.add_message_handler(on_message)
+        rule = f"type='signal',sender='{BUS_NAME}',path='{OBJECT_PATH}',interface='{INTERFACE}'"
+        reply = await bus.call(
+            Message(
+                destination="org.freedesktop.DBus",
+                path="/org/freedesktop/DBus",
+                interface="org.freedesktop.DBus",
+                member="AddMatch",
+                signature="s",
+                body=[rule],
+            )
+        )
+        if reply is None or reply.message_type is MessageType.ERROR:
+            raise Unreachable(f"the bus refused the signal subscription: {reply and reply.body}")
+        # Once this line is out the subscription is in place (scripts may wait for it).
+        sys.stderr.write("watching org.uap.Placement1 signals; Ctrl-C stops\n")
+        sys.stderr.flush()
+        stop = asyncio.Event()
+        _stop_on_signals(stop)
+        lost = asyncio.ensure_future(bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
+        waiting = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({lost, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        lost.cancel()
+
+    _call(work)
+
+
+# --------------------------------------------------------------------------- install
+
+
+def _print_install(report: InstallReport, as_json: bool) -> None:
+    if as_json:
+        _print_json(report.to_json())
+    else:
+        for change in report.files:
+            detail = f" ({change.detail})" if change.detail else ""
+            out.print(f"{change.action}: {change.path}{detail}", markup=False)
+        out.print(report.reload_message, markup=False)
+    if not report.ok:
+        raise typer.Exit(EXIT_REFUSED)
+
+
+@app.command()
+def install(
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace files not written by uapplace install.")
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Install the D-Bus activation file and the uapplaced user unit, then reload."""
+    from uapplace import install as installer
+
+    try:
+        report = asyncio.run(installer.install(Paths.from_env(), force))
+    except installer.InstallError as error:
+        _fail(EXIT_REFUSED, str(error))
+    _print_install(report, as_json)
+
+
+@app.command()
+def uninstall(as_json: JsonFlag = False) -> None:
+    """Remove exactly the files `uapplace install` wrote, then reload."""
+    from uapplace import install as installer
+
+    try:
+        report = asyncio.run(installer.uninstall(Paths.from_env()))
+    except installer.InstallError as error:
+        _fail(EXIT_REFUSED, str(error))
+    _print_install(report, as_json)
+
+
+# --------------------------------------------------------------------------- demo
+
+
+@app.command()
+def demo(
+    keep: Annotated[
+        bool, typer.Option("--keep", help="Leave the demo running until Ctrl-C.")
+    ] = False,
+) -> None:
+    """Run the embedded demo (contained systemd, simulated GPU, fake engines)."""
+    try:
+        module = importlib.import_module("uapplace.demo")
+    except ModuleNotFoundError as error:
+        if error.name != "uapplace.demo":
+            raise
+        _fail(EXIT_REFUSED, "demo is not implemented yet (it lands in a later issue)")
+    raise typer.Exit(int(module.run(keep)))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

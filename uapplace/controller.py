@@ -1,0 +1,892 @@
+"""The one object that owns placement state while ``uapplaced`` runs.
+
+It holds the last good registry, the capacity policy, the device probe, the
+ledger, the admission table, the residents, the bus holds, and the optional
+collaborators that later issues wire in (enforcer, measurer, unit writer, auto
+policy, notifier, authorizer, proxy client). The D-Bus layer (``service.py``)
+is a thin shell around it; the controller knows nothing of D-Bus and reports
+what happens through :class:`ControllerEvents`.
+
+Three rules shape the code:
+
+- **``admit`` never blocks.** It is dictionary look-ups (``Admission.decide``)
+  plus bookkeeping. Everything slow a new park needs (the proxy's in-flight
+  list, a probe, the planner, the ledger, the notification) runs after the
+  answer has been sent, scheduled with ``loop.call_soon``.
+- **The ledger is written behind.** Changes mark the controller dirty; one
+  writer task coalesces bursts (``debounce_s``, or ``usage_flush_s`` when only
+  usage clocks moved) and writes in a thread (``Ledger.update``). Shutdown
+  flushes synchronously. While the daemon runs it is the ledger's only writer.
+- **A bad reload keeps the last good registry.** The error is kept and shown
+  by ``Validate`` and ``GetState``; placement goes on with what was loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from uapplace import __version__
+from uapplace.admission import Admission
+from uapplace.capacity import CapacityPolicy, Finding, has_errors, load_policy
+from uapplace.capacity import validate as validate_capacity
+from uapplace.devices import Probe, make_probe
+from uapplace.engines import ProxyClient
+from uapplace.errors import (
+    Busy,
+    Failed,
+    InvalidArgument,
+    NotFound,
+    UnknownModel,
+    not_implemented,
+    unavailable,
+)
+from uapplace.ledger import Ledger, LedgerDoc, doc_to_json, pending_to_json
+from uapplace.model import (
+    DEFAULT_CELLS,
+    DeviceReading,
+    Holder,
+    Model,
+    ParkReason,
+    PendingEntry,
+    Plan,
+    Registry,
+    Resident,
+    ResidentState,
+    iso,
+)
+from uapplace.paths import Paths
+from uapplace.planner import PlanInput, candidate_devices, plan
+from uapplace.registry import ConfigFileError, RegistryLoad, load_registry, provenance_rows
+from uapplace.units import write_conflict_dropins
+
+log = logging.getLogger(__name__)
+
+ResidentRow = tuple[str, str, str, str]
+"""``(model, config, device, state)``: one element of the ``Residents`` property."""
+
+DEFAULT_DEBOUNCE_S = 0.075
+DEFAULT_USAGE_FLUSH_S = 5.0
+DEFAULT_TICK_S = 5.0
+DEFAULT_SHUTDOWN_WAIT_S = 30.0
+WRITE_RETRY_S = 2.0
+GONE = "gone"
+"""The ``ResidentChanged`` state of a resident that is no longer loaded."""
+
+
+@dataclass(frozen=True)
+class VictimRef:
+    """One element of an approval signature: a resident the operator agreed to stop."""
+
+    model: str
+    config: str
+
+    @property
+    def signature(self) -> str:
+        return f"{self.model}/{self.config}"
+
+
+@dataclass(frozen=True)
+class BusHold:
+    """A ``Hold`` on the bus: lives until ``Release`` or until ``sender`` disconnects."""
+
+    cookie: int
+    model: str
+    reason: str
+    app_id: str
+    sender: str
+    since: float
+
+    def holder(self) -> Holder:
+        return Holder(
+            client=self.app_id or self.sender,
+            kind="hold",
+            detail=self.reason,
+            started_at=iso(self.since),
+            cookie=self.cookie,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cookie": self.cookie,
+            "model": self.model,
+            "reason": self.reason,
+            "app_id": self.app_id,
+            "sender": self.sender,
+            "since": iso(self.since),
+        }
+
+
+# --------------------------------------------------------------------------- collaborators
+
+
+class ControllerEvents(Protocol):
+    """What the controller reports; the bus service turns each into a signal."""
+
+    def on_parked(self, entry: PendingEntry) -> None: ...
+
+    def on_resolved(self, placement_id: str, outcome: str) -> None: ...
+
+    def on_resident_changed(self, row: ResidentRow) -> None: ...
+
+    def on_enforcement_step(self, run_id: str, step: str, ok: bool, detail: str) -> None: ...
+
+    def on_pending_count(self, count: int) -> None: ...
+
+    def on_residents(self, rows: list[ResidentRow]) -> None: ...
+
+
+class _NoEvents:
+    def on_parked(self, entry: PendingEntry) -> None:
+        pass
+
+    def on_resolved(self, placement_id: str, outcome: str) -> None:
+        pass
+
+    def on_resident_changed(self, row: ResidentRow) -> None:
+        pass
+
+    def on_enforcement_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
+        pass
+
+    def on_pending_count(self, count: int) -> None:
+        pass
+
+    def on_residents(self, rows: list[ResidentRow]) -> None:
+        pass
+
+
+class Enforcement(Protocol):
+    """Apply / Load / Unload (spec §4.6); wired by the enforcement issue."""
+
+    async def apply(
+        self, entry: PendingEntry, option: int, expected: Sequence[VictimRef] | None
+    ) -> dict[str, Any]: ...
+
+    async def load(self, model: str) -> dict[str, Any]: ...
+
+    async def unload(self, model: str) -> dict[str, Any]: ...
+
+    async def wait_idle(self) -> None:
+        """Return once no enforcement runs (a running one finished or rolled back).
+
+        The controller bounds the wait itself at shutdown."""
+        ...
+
+
+class Measurer(Protocol):
+    async def measure(self, model: str, config: str) -> dict[str, Any]: ...
+
+
+class UnitWriter(Protocol):
+    async def write_units(self) -> list[str]: ...
+
+
+class AutoPolicyStore(Protocol):
+    async def get(self) -> dict[str, Any]: ...
+
+    async def set(self, changes: Mapping[str, Any], consent: bool) -> dict[str, Any]: ...
+
+
+class NotifierLike(Protocol):
+    async def parked(self, entry: PendingEntry, plan: Plan, clients: Sequence[str]) -> None: ...
+
+    async def resolved(self, placement_id: str, outcome: str) -> None: ...
+
+
+class AuthorizerLike(Protocol):
+    async def check(self, sender: str, action: Any) -> None: ...
+
+
+class AutoScheduler(Protocol):
+    """``uapplace.auto.AutoRunner``: unattended loads under the operator's standing consent."""
+
+    async def schedule(self, entry: PendingEntry, plan: Plan) -> ParkReason | None: ...
+
+    async def close(self) -> None: ...
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+class InflightSource(Protocol):
+    async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
+        """Target id → in-flight requests, or ``None`` when the proxy did not answer."""
+        ...
+
+
+class ProxyHolders:
+    """The proxy's ``/internal/placement/inflight`` as :class:`Holder` lists (kind ``inflight``)."""
+
+    def __init__(self, proxy: ProxyClient) -> None:
+        self.proxy = proxy
+
+    async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
+        targets = await self.proxy.inflight()
+        if targets is None:
+            return None
+        return {
+            target: [_inflight_holder(r) for r in requests] for target, requests in targets.items()
+        }
+
+
+def _inflight_holder(request: Mapping[str, Any]) -> Holder:
+    started = request.get("started_at")
+    return Holder(
+        client=str(request.get("client") or "unknown client"),
+        kind="inflight",
+        detail=str(request.get("id") or ""),
+        started_at=str(started) if started else None,
+    )
+
+
+class UnitDropins:
+    """``WriteUnits``: ``Conflicts=`` drop-ins for the units that can land on one device.
+
+    A model's units (one per config, or the model's own) go in the group of every
+    device it may load on (its affinity devices, else every GPU). ``reload`` is
+    the user manager's ``Reload``; without one the files are still written and
+    the log says to run ``systemctl --user daemon-reload``.
+    """
+
+    def __init__(
+        self, controller: Controller, reload: Callable[[], Awaitable[None]] | None
+    ) -> None:
+        self.controller = controller
+        self._reload = reload
+
+    async def write_units(self) -> list[str]:
+        groups = device_unit_groups(self.controller.load.registry)
+        try:
+            changed = await asyncio.to_thread(
+                write_conflict_dropins, self.controller.paths.user_unit_dir, groups
+            )
+        except (ValueError, OSError) as err:
+            raise Failed(f"cannot write the Conflicts= drop-ins: {err}") from None
+        if changed:
+            if self._reload is not None:
+                await self._reload()
+            else:
+                log.warning("drop-ins written; run `systemctl --user daemon-reload` to apply them")
+        return [str(path) for path in changed]
+
+
+def device_unit_groups(registry: Registry) -> dict[str, list[str]]:
+    """Device key → the units (sorted) of every model that may load on it."""
+    groups: dict[str, set[str]] = {}
+    for model in registry.models.values():
+        units = {u for c in model.configs.values() if (u := model.unit_for(c)) is not None}
+        for device in candidate_devices(registry, model):
+            groups.setdefault(device, set()).update(units)
+    return {device: sorted(units) for device, units in groups.items()}
+
+
+# --------------------------------------------------------------------------- the controller
+
+
+class Controller:
+    def __init__(
+        self,
+        paths: Paths,
+        load: RegistryLoad,
+        policy: CapacityPolicy | None,
+        probe: Probe,
+        ledger: Ledger,
+        *,
+        policy_error: ConfigFileError | None = None,
+        clock: Callable[[], float] = time.time,
+        debounce_s: float = DEFAULT_DEBOUNCE_S,
+        usage_flush_s: float = DEFAULT_USAGE_FLUSH_S,
+        tick_s: float = DEFAULT_TICK_S,
+    ) -> None:
+        self.paths = paths
+        self.load = load
+        self.policy = policy
+        self.policy_error = policy_error
+        self.reload_error: ConfigFileError | None = None
+        self.probe = probe
+        self.ledger = ledger
+        self.admission = Admission(load.registry)
+        self.residents: list[Resident] = []
+        self.usage: dict[str, float] = {}
+        self.cooldowns: dict[str, float] = {}
+        self.holds: dict[int, BusHold] = {}
+        self.version = __version__
+        self.events: ControllerEvents = _NoEvents()
+        # Collaborators wired by the daemon (or by later issues); None until then.
+        self.enforcer: Enforcement | None = None
+        self.measurer: Measurer | None = None
+        self.unit_writer: UnitWriter | None = None
+        self.auto_policy: AutoPolicyStore | None = None
+        self.notifier: NotifierLike | None = None
+        self.authorizer: AuthorizerLike | None = None
+        self.proxy: InflightSource | None = None
+        self.auto_runner: AutoScheduler | None = None
+        self.idle_sweep: Closable | None = None
+        self.enforcement_unavailable: str | None = None
+        """Why the enforcer could not be wired (no systemd user manager); ``None`` otherwise."""
+        self.peer_alive: Callable[[str], Awaitable[bool]] | None = None
+        """Is this bus name still connected? Set by the daemon; closes the Hold race."""
+        self._clock = clock
+        self._debounce_s = debounce_s
+        self._usage_flush_s = usage_flush_s
+        self._tick_s = tick_s
+        self._next_cookie = 1
+        self._usage_keys: dict[str, str] = {}
+        self._wake = asyncio.Event()
+        self._urgent = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self._accepting = True
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def open(cls, paths: Paths, **kwargs: Any) -> Controller:
+        """Read the registry and policy (blocking: call before serving).
+
+        Raises :class:`ConfigFileError` when the repo registry is invalid. A local
+        registry that is invalid is ignored (its errors are in ``load.errors``);
+        a capacity policy that is missing or invalid only disables ``validate``'s
+        cross-checks and is reported there.
+        """
+        load = load_registry(paths.repo_registry, paths.local_registry)
+        for err in load.errors:
+            log.error("ignoring the machine-local registry: %s", err)
+        policy, policy_error = _read_policy(paths)
+        probe = make_probe(paths, load.registry)
+        return cls(
+            paths, load, policy, probe, Ledger(paths.ledger), policy_error=policy_error, **kwargs
+        )
+
+    async def start(self) -> None:
+        """Restore from the ledger, then start the writer and the expiry tick."""
+        await self.restore_from_ledger()
+        self.start_background()
+
+    async def restore_from_ledger(self) -> None:
+        """Read the ledger (a corrupt one is moved aside by :class:`Ledger`) and restore."""
+        doc = await asyncio.to_thread(self.ledger.read)
+        if self.ledger.last_error:
+            log.warning("%s", self.ledger.last_error)
+            self.ledger.last_error = None
+        self.restore(doc)
+
+    def start_background(self) -> None:
+        """The write-behind task and the expiry tick; the first write lands right away."""
+        self._tasks = [
+            asyncio.create_task(self._write_behind(), name="ledger-writer"),
+            asyncio.create_task(self._tick(), name="expiry-tick"),
+        ]
+        self.mark_dirty()
+
+    def restore(self, doc: LedgerDoc) -> None:
+        """Residents, usage, cooldowns and live pending entries from the ledger."""
+        now = self._clock()
+        # Holders are live facts (connections, requests); none survives a restart.
+        self.residents = [replace(r, holders=()) for r in doc.residents]
+        self.admission.set_residents(self.residents)
+        self.usage = dict(doc.usage)
+        self.cooldowns = {m: until for m, until in doc.cooldowns.items() if until > now}
+        dropped = self.admission.restore(doc.pending, now)
+        kept = len(self.admission.pending)
+        log.info(
+            "restored %d resident(s), %d pending (%d dropped as expired or superseded)",
+            len(self.residents),
+            kept,
+            len(dropped),
+        )
+
+    async def shutdown(self, wait_s: float = DEFAULT_SHUTDOWN_WAIT_S) -> None:
+        """Refuse new enforcement, let a running one end (bounded), flush the ledger."""
+        self._accepting = False
+        if self.idle_sweep is not None:
+            self.idle_sweep.close()
+        if self.auto_runner is not None:
+            try:
+                await asyncio.wait_for(self.auto_runner.close(), wait_s)
+            except TimeoutError:
+                log.error("an auto load was still running after %gs", wait_s)
+        if self.enforcer is not None:
+            try:
+                await asyncio.wait_for(self.enforcer.wait_idle(), wait_s)
+            except TimeoutError:
+                log.error("an enforcement was still running after %gs; flushing anyway", wait_s)
+        for task in [*self._tasks, *self._background]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        self._tasks = []
+        try:
+            self._write(self._snapshot())
+        except Exception as err:  # a flush failure must not turn a clean stop into a crash
+            log.error("could not flush the ledger at shutdown: %s", err)
+
+    # ------------------------------------------------------------------ the hot path
+
+    def admit(self, model: str, client: str, session: str, cells: int) -> Any:
+        """Forward or park; O(1), never blocks, never awaits the ledger."""
+        now = self._clock()
+        decision, entry = self.admission.decide(
+            model, client, session or None, cells or DEFAULT_CELLS, now
+        )
+        if decision.decision == "forward":
+            self.usage[self._usage_key(model)] = now
+            self.mark_dirty(urgent=False)
+        elif entry is not None:
+            asyncio.get_running_loop().call_soon(self._after_park, entry)
+        return decision
+
+    def _usage_key(self, requested: str) -> str:
+        key = self._usage_keys.get(requested)
+        if key is None:
+            resolved = self.load.registry.resolve(requested)
+            key = resolved[0].key if resolved is not None else requested
+            self._usage_keys[requested] = key
+        return key
+
+    def _after_park(self, entry: PendingEntry) -> None:
+        self.events.on_parked(entry)
+        self.events.on_pending_count(self.pending_count)
+        self.mark_dirty()
+        self._spawn(self._plan_parked(entry), f"plan-{entry.id}")
+
+    async def _plan_parked(self, entry: PendingEntry) -> None:
+        """Attach options to a new park, persist it, tell the notifier."""
+        inp, clients = await self.plan_input()
+        found = await asyncio.to_thread(plan, inp, entry.requested_model, entry.cells)
+        current = self.admission.get(entry.id)
+        if current is None:
+            return  # resolved or dismissed while we planned
+        updated = replace(current, options=found.options)
+        self.admission.replace(updated)
+        self.mark_dirty()
+        if self.auto_runner is not None:
+            reason = await self.auto_runner.schedule(updated, found)
+            if reason is ParkReason.AUTO_LOADING:
+                return  # no operator decision to ask for: the load is under way
+            updated = self.admission.get(entry.id) or updated
+        if self.notifier is not None:
+            await self.notifier.parked(updated, found, clients)
+
+    # ------------------------------------------------------------------ reads
+
+    @property
+    def registry_models(self) -> Mapping[str, Model]:
+        return self.load.registry.models
+
+    @property
+    def pending_count(self) -> int:
+        return len(self.admission.pending)
+
+    def resident_rows(self) -> list[ResidentRow]:
+        return [(r.model, r.config, r.device, r.state.value) for r in self.residents]
+
+    def pending_entries(self) -> list[PendingEntry]:
+        return sorted(self.admission.pending.values(), key=lambda e: e.created_at)
+
+    def pending_json(self) -> dict[str, Any]:
+        rows = []
+        for entry in self.pending_entries():
+            row = pending_to_json(entry)
+            row["recommended"] = 1 if entry.options else None
+            rows.append(row)
+        return {"pending": rows}
+
+    async def state_json(self) -> dict[str, Any]:
+        """The ledger document as it is now (fresh probe, live holders) plus daemon facts."""
+        readings = await asyncio.to_thread(self.probe.read)
+        doc = self._document(readings, self.residents_with_holders(None))
+        out = doc_to_json(doc)
+        for key, device in out["devices"].items():
+            configured = self.load.registry.devices.get(key)
+            if configured is not None:
+                device["reserved_mib"] = configured.reserved_mib
+        out["daemon"] = True
+        out["daemon_version"] = self.version
+        out["holds"] = [h.to_json() for h in self.holds.values()]
+        out["registry"] = {
+            "repo": str(self.load.repo_path),
+            "local": str(self.load.local_path) if self.load.local_path else None,
+            "local_errors": [str(e) for e in self.load.errors],
+            "reload_error": str(self.reload_error) if self.reload_error else None,
+        }
+        out["ledger"] = {"path": str(self.ledger.path), "error": self.ledger.last_error}
+        return out
+
+    async def preview(self, model: str, cells: int) -> dict[str, Any]:
+        inp, _ = await self.plan_input()
+        found = await asyncio.to_thread(plan, inp, model, cells or DEFAULT_CELLS)
+        return found.to_json()
+
+    async def plan_input(self) -> tuple[PlanInput, list[str]]:
+        """Residents with their holders (bus holds + the proxy's in-flight), and fresh readings.
+
+        Also returns the in-flight clients, for the notification.
+        """
+        inflight: Mapping[str, Sequence[Holder]] | None = None
+        if self.proxy is not None:
+            try:
+                inflight = await self.proxy.inflight()
+            except Exception as err:  # unknown counts as busy; never guess idle
+                log.warning("proxy in-flight list unavailable: %s", err)
+                inflight = None
+        readings = await asyncio.to_thread(self.probe.read)
+        residents = self.residents_with_holders(inflight)
+        clients = sorted({h.client for r in residents for h in r.holders if h.kind == "inflight"})
+        inp = PlanInput(
+            self.load.registry, residents, readings, inflight_known=inflight is not None
+        )
+        return inp, clients
+
+    def residents_with_holders(
+        self, inflight: Mapping[str, Sequence[Holder]] | None
+    ) -> list[Resident]:
+        out = []
+        for resident in self.residents:
+            holders = [h.holder() for h in self.holds.values() if self._held(h, resident)]
+            if inflight is not None:
+                holders.extend(inflight.get(resident.target_id, ()))
+            out.append(replace(resident, holders=tuple(holders)))
+        return out
+
+    def _held(self, hold: BusHold, resident: Resident) -> bool:
+        return hold.model in (resident.model, resident.config)
+
+    async def validate(self) -> dict[str, Any]:
+        """Re-read the config files (a bad one keeps the last good), then cross-check."""
+        await self.reload()
+        findings: list[Finding] = []
+        for err in (self.reload_error, self.policy_error):
+            if err is not None:
+                findings.extend(_failed_file(e) for e in err.every())
+        findings.extend(validate_capacity(self.load, self.policy))
+        return {
+            "ok": not has_errors(findings),
+            "errors": sum(1 for f in findings if f.severity == "error"),
+            "warnings": sum(1 for f in findings if f.severity == "warning"),
+            "findings": [f.to_json() for f in findings],
+            "provenance": provenance_rows(self.load),
+        }
+
+    async def reload(self) -> bool:
+        """Re-read registry and policy; a bad repo registry keeps the last good one running."""
+        try:
+            load = await asyncio.to_thread(
+                load_registry, self.paths.repo_registry, self.paths.local_registry
+            )
+        except ConfigFileError as err:
+            self.reload_error = err
+            log.error("registry reload failed, keeping the last good one: %s", err)
+            return False
+        policy, policy_error = await asyncio.to_thread(_read_policy, self.paths)
+        self.reload_error = None
+        self.load = load
+        self.policy, self.policy_error = policy, policy_error
+        self.probe = make_probe(self.paths, load.registry)
+        self.admission.set_registry(load.registry)
+        self._usage_keys.clear()
+        return True
+
+    # ------------------------------------------------------------------ operator writes
+
+    def dismiss(self, placement_id: str) -> bool:
+        entry = self.admission.remove(placement_id)
+        if entry is None:
+            raise NotFound(_no_pending(placement_id))
+        self.resolve(entry, "dismissed", already_removed=True)
+        return True
+
+    def resolve(self, entry: PendingEntry, outcome: str, already_removed: bool = False) -> None:
+        """Drop a pending entry and say so (``Resolved``, notifier, ledger)."""
+        if not already_removed:
+            self.admission.remove(entry.id)
+        self.events.on_resolved(entry.id, outcome)
+        self.events.on_pending_count(self.pending_count)
+        if self.notifier is not None:
+            self._spawn(self.notifier.resolved(entry.id, outcome), f"resolved-{entry.id}")
+        self.mark_dirty()
+
+    async def apply(
+        self, placement_id: str, option: int, expected: Sequence[VictimRef] | None
+    ) -> dict[str, Any]:
+        entry = self.admission.get(placement_id, self._clock())
+        if entry is None:
+            raise NotFound(_no_pending(placement_id))
+        if not entry.options:
+            raise InvalidArgument(
+                f"placement {placement_id} has no options (see `uapplace pending`); "
+                "nothing can be applied"
+            )
+        if not 1 <= option <= len(entry.options):
+            raise InvalidArgument(
+                f"option {option} is out of range: placement {placement_id} has options "
+                f"1..{len(entry.options)}"
+            )
+        enforcer = self._enforcer("Apply")
+        return await enforcer.apply(entry, option, expected)
+
+    async def load_model(self, model: str) -> dict[str, Any]:
+        self.model_named(model)
+        return await self._enforcer("Load").load(model)
+
+    async def unload(self, model: str) -> dict[str, Any]:
+        self.model_named(model)
+        return await self._enforcer("Unload").unload(model)
+
+    async def measure(self, model: str, config: str) -> dict[str, Any]:
+        found = self.model_named(model)
+        if config and config not in found.configs:
+            known = ", ".join(found.configs) or "none"
+            raise NotFound(f"model {found.key} has no config {config!r} (configs: {known})")
+        if self.measurer is None:
+            raise self._missing("Measure")
+        return await self.measurer.measure(found.key, config)
+
+    async def write_units(self) -> list[str]:
+        if self.unit_writer is None:
+            raise not_implemented("WriteUnits")
+        return await self.unit_writer.write_units()
+
+    async def get_auto_policy(self) -> dict[str, Any]:
+        if self.auto_policy is None:
+            raise not_implemented("GetAutoPolicy")
+        return await self.auto_policy.get()
+
+    async def set_auto_policy(self, changes: Mapping[str, Any], consent: bool) -> dict[str, Any]:
+        granting = [k for k in ("allow_displace", "allow_unload") if changes.get(k)]
+        if granting and not consent:
+            raise InvalidArgument(
+                f"{' and '.join(granting)} records standing consent to stop models unattended; "
+                "it needs consent=true (`uapplace auto ... --yes`)"
+            )
+        if self.auto_policy is None:
+            raise not_implemented("SetAutoPolicy")
+        return await self.auto_policy.set(changes, consent)
+
+    def model_named(self, model: str) -> Model:
+        resolved = self.load.registry.resolve(model)
+        if resolved is None:
+            raise UnknownModel(
+                f"model {model!r} is in no registry file ({self.load.repo_path}"
+                + (f", {self.load.local_path}" if self.load.local_path else "")
+                + ")"
+            )
+        return resolved[0]
+
+    def _enforcer(self, method: str) -> Enforcement:
+        if not self._accepting:
+            raise Busy(f"{method}: uapplaced is shutting down; try again once it is back")
+        if self.enforcer is None:
+            raise self._missing(method)
+        return self.enforcer
+
+    def _missing(self, method: str) -> Failed:
+        if self.enforcement_unavailable is not None:
+            return unavailable(method, self.enforcement_unavailable)
+        return not_implemented(method)
+
+    # ------------------------------------------------------------------ holds
+
+    async def hold(self, model: str, reason: str, app_id: str, sender: str) -> int:
+        """Pin ``model``: while held, a resident serving it is never a victim."""
+        key = self.model_named(model).key
+        if not reason.strip():
+            raise InvalidArgument("a hold needs a reason (shown to the operator next to the pin)")
+        cookie = self._next_cookie
+        self._next_cookie = cookie % 0xFFFFFFFF + 1
+        self.holds[cookie] = BusHold(cookie, key, reason, app_id, sender, self._clock())
+        log.info("hold %d on %s by %s (%s): %s", cookie, key, app_id or "-", sender, reason)
+        self.mark_dirty()
+        if sender and self.peer_alive is not None and not await self.peer_alive(sender):
+            self.drop_holds_of(sender)  # it disconnected before we could watch it
+        return cookie
+
+    def release(self, cookie: int) -> None:
+        held = self.holds.pop(cookie, None)
+        if held is None:
+            raise NotFound(
+                f"no hold with cookie {cookie} (it was released, or its holder's bus "
+                "connection closed)"
+            )
+        log.info("hold %d on %s released", cookie, held.model)
+        self.mark_dirty()
+
+    def drop_holds_of(self, sender: str) -> None:
+        """``sender`` left the bus: its holds end with it."""
+        gone = [c for c, h in self.holds.items() if h.sender == sender]
+        for cookie in gone:
+            held = self.holds.pop(cookie)
+            log.info("hold %d on %s ended: %s left the bus", cookie, held.model, sender)
+        if gone:
+            self.mark_dirty()
+
+    # ------------------------------------------------------------------ residents
+
+    def upsert_resident(self, resident: Resident) -> None:
+        """Add a resident or replace the one with the same model/config/device."""
+        key = (resident.model, resident.config, resident.device)
+        others = [r for r in self.residents if (r.model, r.config, r.device) != key]
+        self._set_residents([*others, resident])
+        self.events.on_resident_changed(
+            (resident.model, resident.config, resident.device, resident.state.value)
+        )
+        self._resolve_served(resident)
+
+    def set_resident_state(
+        self, model: str, config: str, device: str, state: ResidentState
+    ) -> Resident:
+        current = self.resident(model, config, device)
+        if current is None:
+            raise NotFound(f"no resident {model}/{config} on {device}")
+        updated = replace(current, state=state)
+        self.upsert_resident(updated)
+        return updated
+
+    def drop_resident(self, model: str, config: str, device: str) -> Resident | None:
+        current = self.resident(model, config, device)
+        if current is None:
+            return None
+        self._set_residents([r for r in self.residents if r is not current])
+        self.events.on_resident_changed((model, config, device, GONE))
+        return current
+
+    def resident(self, model: str, config: str, device: str) -> Resident | None:
+        return next(
+            (r for r in self.residents if (r.model, r.config, r.device) == (model, config, device)),
+            None,
+        )
+
+    def emit_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
+        """For the enforcer: one ``EnforcementStep`` signal."""
+        self.events.on_enforcement_step(run_id, step, ok, detail)
+
+    def _set_residents(self, residents: list[Resident]) -> None:
+        self.residents = residents
+        self.admission.set_residents(residents)
+        self.events.on_residents(self.resident_rows())
+        self.mark_dirty()
+
+    def _resolve_served(self, resident: Resident) -> None:
+        for entry in self.admission.resolved_by(resident):
+            self.resolve(entry, "forwarded")
+
+    # ------------------------------------------------------------------ persistence
+
+    def mark_dirty(self, urgent: bool = True) -> None:
+        """Schedule a ledger write: soon when ``urgent``, within ``usage_flush_s`` otherwise."""
+        self._wake.set()
+        if urgent:
+            self._urgent.set()
+
+    async def flush(self) -> None:
+        """Write the ledger now (in a thread)."""
+        await asyncio.to_thread(self._write, self._snapshot())
+
+    async def _write_behind(self) -> None:
+        while True:
+            await self._wake.wait()
+            if not self._urgent.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), self._usage_flush_s)
+            await asyncio.sleep(self._debounce_s)
+            self._wake.clear()
+            self._urgent.clear()
+            try:
+                await self.flush()
+            except Exception as err:  # the file may be locked or the disk full: retry later
+                log.warning("ledger write failed (%s); retrying in %gs", err, WRITE_RETRY_S)
+                await asyncio.sleep(WRITE_RETRY_S)
+                self.mark_dirty()
+
+    def _snapshot(self) -> LedgerDoc:
+        """What goes into the ledger, captured on the loop (the write runs in a thread)."""
+        return self._document({}, self.residents_with_holders(None))
+
+    def _document(
+        self, readings: Mapping[str, DeviceReading], residents: list[Resident]
+    ) -> LedgerDoc:
+        return LedgerDoc(
+            updated_at=self._clock(),
+            devices=dict(readings),
+            residents=residents,
+            pending=self.pending_entries(),
+            usage=dict(self.usage),
+            cooldowns=dict(self.cooldowns),
+        )
+
+    def _write(self, snapshot: LedgerDoc) -> None:
+        """Blocking: probe the devices and replace the ledger's content with ``snapshot``."""
+        readings = self.probe.read()
+
+        def commit(doc: LedgerDoc) -> None:
+            doc.devices = dict(readings)
+            doc.residents = snapshot.residents
+            doc.pending = snapshot.pending
+            doc.usage = snapshot.usage
+            doc.cooldowns = snapshot.cooldowns
+
+        self.ledger.update(commit)
+        if self.ledger.last_error:
+            log.warning("%s", self.ledger.last_error)
+            self.ledger.last_error = None
+
+    # ------------------------------------------------------------------ background
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            self.expire()
+
+    def expire(self) -> list[PendingEntry]:
+        """Drop expired entries (``Resolved(id, "expired")``) and lapsed cooldowns."""
+        now = self._clock()
+        gone = self.admission.expire(now)
+        for entry in gone:
+            self.resolve(entry, "expired", already_removed=True)
+        lapsed = [m for m, until in self.cooldowns.items() if until <= now]
+        for model in lapsed:
+            del self.cooldowns[model]
+        if lapsed:
+            self.mark_dirty()
+        return gone
+
+    def _spawn(self, work: Awaitable[None], name: str) -> None:
+        task = asyncio.ensure_future(_logged(work, name))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def _logged(work: Awaitable[None], name: str) -> None:
+    try:
+        await work
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("background work %s failed", name)
+
+
+def _read_policy(paths: Paths) -> tuple[CapacityPolicy | None, ConfigFileError | None]:
+    try:
+        return load_policy(paths.capacity_policy), None
+    except ConfigFileError as err:
+        log.warning("capacity policy not used: %s", err)
+        return None, err
+
+
+def _no_pending(placement_id: str) -> str:
+    return f"no pending placement {placement_id} (it may have expired or been resolved)"
+
+
+def _failed_file(err: ConfigFileError) -> Finding:
+    return Finding(
+        "error",
+        str(err.file),
+        err.json_path,
+        f"{err.message} (uapplaced keeps running on the registry it loaded before)",
+    )

@@ -1,0 +1,419 @@
+"""The ``org.uap.Placement1`` D-Bus interface: thin, every method one controller call.
+
+The interface is exactly ``dbus/org.uap.Placement1.xml`` (``tests/bus/
+test_introspection.py`` compares the live introspection with the file). The
+work lives in :class:`uapplace.controller.Controller`; this module only
+
+- turns bus arguments into Python values (JSON arguments are validated here,
+  pydantic at the edge) and results into bus values (JSON text);
+- maps the domain errors of :mod:`uapplace.errors` to
+  ``org.uap.Placement1.Error.<Name>`` replies, and anything unexpected to
+  ``Failed`` (logged with its traceback, never sent to the caller);
+- asks the authorizer before every mutating method (reads and ``Admit`` are
+  never gated: the contract lets loopback proxies admit);
+- emits the signals and ``PropertiesChanged`` the controller reports.
+
+**Who is calling.** dbus-fast hands a method only its arguments, not the message.
+:func:`track_senders` adds a bus message handler that runs, synchronously, just
+before dbus-fast dispatches each method call, and stores the message's sender
+in a :class:`contextvars.ContextVar`. dbus-fast starts an ``async`` method as a
+task from inside that same dispatch, and a task copies the context it was
+created in, so ``_CALLER.get()`` inside a coroutine method is that call's
+sender even after it awaits. The same handler answers a call to a known member
+with the wrong signature with ``org.freedesktop.DBus.Error.InvalidArgs`` naming
+the expected arguments (dbus-fast alone would say ``UnknownMethod``).
+"""
+
+import contextvars
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
+
+from dbus_fast import Message, MessageType
+from dbus_fast.aio import MessageBus
+from dbus_fast.annotations import DBusBool, DBusSignature, DBusStr, DBusUInt32
+from dbus_fast.constants import PropertyAccess
+from dbus_fast.errors import DBusError
+from dbus_fast.service import ServiceInterface, dbus_method, dbus_property
+from dbus_fast.service import dbus_signal as _dbus_signal
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from uapplace import __version__
+from uapplace.authz import Action, auto_policy_actions
+from uapplace.controller import Controller, ResidentRow, VictimRef
+from uapplace.errors import ERROR_PREFIX, InvalidArgument, PlacementFailure
+from uapplace.model import PendingEntry
+from uapplace.paths import INTERFACE
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DecisionOut = Annotated[tuple[str, str, str, str], DBusSignature("ssss")]
+ResidentsOut = Annotated[list[tuple[str, str, str, str]], DBusSignature("a(ssss)")]
+StringList = Annotated[list[str], DBusSignature("as")]
+FourStrings = Annotated[tuple[str, str, str, str], DBusSignature("ssss")]
+TwoStrings = Annotated[tuple[str, str], DBusSignature("ss")]
+StepOut = Annotated[tuple[str, str, bool, str], DBusSignature("ssbs")]
+
+_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("uapplace_caller", default="")
+
+# What dbus-fast cannot express from Python signatures: output argument names,
+# signal argument names, property annotations. Kept next to the methods they name.
+_OUT_NAMES: dict[str, tuple[str, ...]] = {
+    "Admit": ("decision", "target_id", "placement_id", "reason"),
+    "GetState": ("state_json",),
+    "ListPending": ("pending_json",),
+    "Preview": ("preview_json",),
+    "Apply": ("result_json",),
+    "Dismiss": ("dismissed",),
+    "Load": ("result_json",),
+    "Unload": ("result_json",),
+    "WriteUnits": ("written",),
+    "Measure": ("result_json",),
+    "Validate": ("findings_json",),
+    "GetAutoPolicy": ("policy_json",),
+    "SetAutoPolicy": ("policy_json",),
+    "Hold": ("cookie",),
+}
+_SIGNAL_ARG_NAMES: dict[str, tuple[str, ...]] = {
+    "Parked": ("placement_id", "model", "client", "reason"),
+    "Resolved": ("placement_id", "outcome"),
+    "ResidentChanged": ("model", "config", "device", "state"),
+    "EnforcementStep": ("run_id", "step", "ok", "detail"),
+}
+_PROPERTY_ANNOTATIONS: dict[str, dict[str, str]] = {
+    "Version": {"org.freedesktop.DBus.Property.EmitsChangedSignal": "const"},
+}
+
+
+# --------------------------------------------------------------------------- edges
+
+
+class _VictimRefJson(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str = Field(min_length=1)
+    config: str = Field(min_length=1)
+
+
+_VICTIM_LIST = TypeAdapter(list[_VictimRefJson])
+
+
+class _AutoChangesJson(BaseModel):
+    """The shim's ``auto`` body (HACKING.md); unknown keys are refused by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    enable: bool | None = None
+    disable: bool | None = None
+    allow_displace: list[str] | None = None
+    disallow_displace: list[str] | None = None
+    allow_unload: list[str] | None = None
+    disallow_unload: list[str] | None = None
+    unload_idle_after_secs: int | None = Field(default=None, ge=0)
+
+
+def _first_problem(err: ValidationError) -> str:
+    first = err.errors(include_url=False)[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(value)"
+    return f"{where}: {first['msg']}"
+
+
+def parse_expected_victims(text: str) -> list[VictimRef] | None:
+    """``expected_victims_json``: ``""`` → no check; else a JSON list of ``{model, config}``."""
+    if text == "":
+        return None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InvalidArgument(f"expected_victims_json is not JSON: {err}") from None
+    try:
+        refs = _VICTIM_LIST.validate_python(raw)
+    except ValidationError as err:
+        raise InvalidArgument(
+            "expected_victims_json must be a list of {model, config} objects: "
+            + _first_problem(err)
+        ) from None
+    return [VictimRef(r.model, r.config) for r in refs]
+
+
+def parse_auto_changes(text: str) -> dict[str, Any]:
+    """``SetAutoPolicy``'s ``policy_json``: the change body, keys that were given only."""
+    try:
+        raw = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as err:
+        raise InvalidArgument(f"policy_json is not JSON: {err}") from None
+    try:
+        parsed = _AutoChangesJson.model_validate(raw)
+    except ValidationError as err:
+        raise InvalidArgument(f"policy_json: {_first_problem(err)}") from None
+    return parsed.model_dump(exclude_none=True)
+
+
+def to_json_text(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def as_dbus_error(err: Exception) -> DBusError:
+    """A domain error → its named reply; anything else → ``Failed`` (and a log line)."""
+    if isinstance(err, PlacementFailure):
+        return DBusError(err.bus_name, str(err))
+    log.exception("unexpected error answering a bus call", exc_info=err)
+    return DBusError(ERROR_PREFIX + "Failed", f"internal error: {type(err).__name__}: {err}")
+
+
+# --------------------------------------------------------------------------- the interface
+
+
+class PlacementInterface(ServiceInterface):
+    """``org.uap.Placement1`` at ``/org/uap/Placement1``; reports controller events as signals."""
+
+    def __init__(self, controller: Controller) -> None:
+        super().__init__(INTERFACE)
+        self._controller = controller
+        controller.events = self
+
+    # ------------------------------------------------------------- hot path
+
+    @dbus_method()
+    def Admit(
+        self, model: DBusStr, client: DBusStr, session: DBusStr, cells: DBusUInt32
+    ) -> DecisionOut:
+        try:
+            decision = self._controller.admit(model, client, session, cells)
+        except Exception as err:
+            raise as_dbus_error(err) from None
+        return (decision.decision, decision.target_id, decision.placement_id, decision.reason)
+
+    # ------------------------------------------------------------- reads
+
+    @dbus_method()
+    async def GetState(self) -> DBusStr:
+        return to_json_text(await self._guard(self._controller.state_json()))
+
+    @dbus_method()
+    def ListPending(self) -> DBusStr:
+        try:
+            return to_json_text(self._controller.pending_json())
+        except Exception as err:
+            raise as_dbus_error(err) from None
+
+    @dbus_method()
+    async def Preview(self, model: DBusStr, cells: DBusUInt32) -> DBusStr:
+        return to_json_text(await self._guard(self._controller.preview(model, cells)))
+
+    @dbus_method()
+    async def Validate(self) -> DBusStr:
+        return to_json_text(await self._guard(self._controller.validate()))
+
+    @dbus_method()
+    async def GetAutoPolicy(self) -> DBusStr:
+        return to_json_text(await self._guard(self._controller.get_auto_policy()))
+
+    # ------------------------------------------------------------- writes
+
+    @dbus_method()
+    async def Apply(
+        self, placement_id: DBusStr, option: DBusUInt32, expected_victims_json: DBusStr
+    ) -> DBusStr:
+        async def run() -> Any:
+            expected = parse_expected_victims(expected_victims_json)
+            await self._authorize(Action.APPLY)
+            return await self._controller.apply(placement_id, option, expected)
+
+        return to_json_text(await self._guard(run()))
+
+    @dbus_method()
+    async def Dismiss(self, placement_id: DBusStr) -> DBusBool:
+        async def run() -> bool:
+            await self._authorize(Action.DISMISS)
+            return self._controller.dismiss(placement_id)
+
+        return await self._guard(run())
+
+    @dbus_method()
+    async def Load(self, model: DBusStr) -> DBusStr:
+        async def run() -> Any:
+            await self._authorize(Action.LOAD)
+            return await self._controller.load_model(model)
+
+        return to_json_text(await self._guard(run()))
+
+    @dbus_method()
+    async def Unload(self, model: DBusStr) -> DBusStr:
+        async def run() -> Any:
+            await self._authorize(Action.UNLOAD)
+            return await self._controller.unload(model)
+
+        return to_json_text(await self._guard(run()))
+
+    @dbus_method()
+    async def WriteUnits(self) -> StringList:
+        async def run() -> list[str]:
+            await self._authorize(Action.WRITE_UNITS)
+            return await self._controller.write_units()
+
+        return await self._guard(run())
+
+    @dbus_method()
+    async def Measure(self, model: DBusStr, config: DBusStr) -> DBusStr:
+        async def run() -> Any:
+            await self._authorize(Action.MEASURE)
+            return await self._controller.measure(model, config)
+
+        return to_json_text(await self._guard(run()))
+
+    @dbus_method()
+    async def SetAutoPolicy(self, policy_json: DBusStr, consent: DBusBool) -> DBusStr:
+        async def run() -> Any:
+            changes = parse_auto_changes(policy_json)
+            for action in sorted(auto_policy_actions(changes)):
+                await self._authorize(action)
+            return await self._controller.set_auto_policy(changes, consent)
+
+        return to_json_text(await self._guard(run()))
+
+    @dbus_method()
+    async def Hold(self, model: DBusStr, reason: DBusStr, app_id: DBusStr) -> DBusUInt32:
+        async def run() -> int:
+            await self._authorize(Action.HOLD)
+            return await self._controller.hold(model, reason, app_id, _CALLER.get())
+
+        return await self._guard(run())
+
+    @dbus_method()
+    async def Release(self, cookie: DBusUInt32) -> None:
+        async def run() -> None:
+            await self._authorize(Action.HOLD)
+            self._controller.release(cookie)
+
+        await self._guard(run())
+
+    # ------------------------------------------------------------- signals
+
+    @_dbus_signal()
+    def Parked(self, placement_id: str, model: str, client: str, reason: str) -> FourStrings:
+        return (placement_id, model, client, reason)
+
+    @_dbus_signal()
+    def Resolved(self, placement_id: str, outcome: str) -> TwoStrings:
+        return (placement_id, outcome)
+
+    @_dbus_signal()
+    def ResidentChanged(self, model: str, config: str, device: str, state: str) -> FourStrings:
+        return (model, config, device, state)
+
+    @_dbus_signal()
+    def EnforcementStep(self, run_id: str, step: str, ok: bool, detail: str) -> StepOut:
+        return (run_id, step, ok, detail)
+
+    # ------------------------------------------------------------- properties
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Version(self) -> DBusStr:
+        return __version__
+
+    @dbus_property(access=PropertyAccess.READ)
+    def PendingCount(self) -> DBusUInt32:
+        return self._controller.pending_count
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Residents(self) -> ResidentsOut:
+        return list(self._controller.resident_rows())
+
+    # ------------------------------------------------------------- controller events
+
+    def on_parked(self, entry: PendingEntry) -> None:
+        self.Parked(entry.id, entry.requested_model, entry.client, entry.reason.value)
+
+    def on_resolved(self, placement_id: str, outcome: str) -> None:
+        self.Resolved(placement_id, outcome)
+
+    def on_resident_changed(self, row: ResidentRow) -> None:
+        self.ResidentChanged(*row)
+
+    def on_enforcement_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
+        self.EnforcementStep(run_id, step, ok, detail)
+
+    def on_pending_count(self, count: int) -> None:
+        self.emit_properties_changed({"PendingCount": count})
+
+    def on_residents(self, rows: list[ResidentRow]) -> None:
+        self.emit_properties_changed({"Residents": [list(r) for r in rows]})
+
+    # ------------------------------------------------------------- helpers
+
+    async def _guard(self, work: Awaitable[T]) -> T:
+        try:
+            return await work
+        except Exception as err:
+            raise as_dbus_error(err) from None
+
+    async def _authorize(self, action: Action) -> None:
+        authorizer = self._controller.authorizer
+        if authorizer is not None:
+            await authorizer.check(_CALLER.get(), action)
+
+
+def _complete_introspection() -> None:
+    """Name the output and signal arguments and annotate ``Version`` (see the table above)."""
+    for member in vars(PlacementInterface).values():
+        described = getattr(member, "__dict__", {})
+        method = described.get("__DBUS_METHOD")
+        if method is not None:
+            for arg, name in zip(
+                method.introspection.out_args, _OUT_NAMES.get(method.name, ()), strict=False
+            ):
+                arg.name = name
+        signal = described.get("__DBUS_SIGNAL")
+        if signal is not None:
+            for arg, name in zip(
+                signal.introspection.args, _SIGNAL_ARG_NAMES[signal.name], strict=True
+            ):
+                arg.name = name
+    for name, annotations in _PROPERTY_ANNOTATIONS.items():
+        prop = vars(PlacementInterface)[name]
+        prop.introspection.annotations.update(annotations)
+
+
+_complete_introspection()
+
+
+# --------------------------------------------------------------------------- sender tracking
+
+
+def _expected_signatures() -> dict[str, tuple[str, list[str]]]:
+    """Member → (in signature, in argument names), from the interface itself."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    for member in vars(PlacementInterface).values():
+        method = getattr(member, "__dict__", {}).get("__DBUS_METHOD")
+        if method is not None:
+            names = [arg.name or "?" for arg in method.introspection.in_args]
+            out[method.name] = (method.in_signature, names)
+    return out
+
+
+def track_senders(bus: MessageBus) -> Callable[[Message], Message | None]:
+    """Install the handler that records each call's sender (see the module docstring)."""
+    expected = _expected_signatures()
+
+    def on_message(message: Message) -> Message | None:
+        if message.message_type is not MessageType.METHOD_CALL:
+            return None
+        _CALLER.set(message.sender or "")
+        if message.interface != INTERFACE:
+            return None
+        wanted = expected.get(message.member or "")
+        if wanted is None or wanted[0] == message.signature:
+            return None
+        signature, names = wanted
+        shown = ", ".join(f"{n} ({t})" for n, t in zip(names, signature, strict=False))
+        return Message.new_error(
+            message,
+            "org.freedesktop.DBus.Error.InvalidArgs",
+            f"{message.member} takes signature '{signature}' ({shown or 'no arguments'}), "
+            f"got '{message.signature}'",
+        )
+
+    bus.add_message_handler(on_message)
+    return on_message
