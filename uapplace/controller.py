@@ -458,7 +458,7 @@ class Controller:
 
     async def _plan_parked(self, entry: PendingEntry) -> None:
         """Attach options to a new park, persist it, tell the notifier."""
-        inp, clients = await self.plan_input()
+        inp, _inflight_clients = await self.plan_input()
         found = await asyncio.to_thread(plan, inp, entry.requested_model, entry.cells)
         current = self.admission.get(entry.id)
         if current is None:
@@ -472,7 +472,8 @@ class Controller:
                 return  # no operator decision to ask for: the load is under way
             updated = self.admission.get(entry.id) or updated
         if self.notifier is not None:
-            await self.notifier.parked(updated, found, clients)
+            # The bubble names who asked; the victims' own clients are in its body.
+            await self.notifier.parked(updated, found, [updated.client])
 
     # ------------------------------------------------------------------ reads
 
@@ -527,7 +528,7 @@ class Controller:
     async def plan_input(self) -> tuple[PlanInput, list[str]]:
         """Residents with their holders (bus holds + the proxy's in-flight), and fresh readings.
 
-        Also returns the in-flight clients, for the notification.
+        Also returns the clients with work in flight on a resident.
         """
         inflight: Mapping[str, Sequence[Holder]] | None = None
         if self.proxy is not None:

@@ -62,6 +62,8 @@ MEASURED_AT = "2026-10-08T14:02:00Z"
 STEP_GUARD_S = 60.0
 """No single demo step may take longer than this (a hang guard)."""
 PROXY_TOKEN = "uapplace-demo-token"
+CLIENT = "x-uap-client-id:claude-code"
+"""The client identity the demo's requests carry (as the proxy would send it)."""
 EXIT_INTERRUPTED = 130
 
 
@@ -514,6 +516,15 @@ async def shim_admit(box: Sandbox, model: str, client: str) -> dict[str, Any]:
         return answer
 
 
+def decision_text(answer: Mapping[str, Any]) -> str:
+    """An admit answer in words: ``forward → gpu0:http://…`` or ``park plc-… (not_resident)``."""
+    if answer.get("decision") == "forward":
+        return f"forward → {answer.get('target_id')}"
+    if answer.get("decision") == "park":
+        return f"park {answer.get('placement_id')} (reason: {answer.get('reason')})"
+    return f"unexpected answer {dict(answer)}"
+
+
 async def admit(box: Sandbox, bus: PlacementClient, model: str, client: str) -> dict[str, Any]:
     if box.spec.shim:
         return await shim_admit(box, model, client)
@@ -615,25 +626,31 @@ async def walkthrough(box: Sandbox, console: Console) -> None:
         say.step(
             "The machine",
             f"{CODER.key} runs under {CODER.unit} and holds {CODER.mib:,} MiB of the "
-            f"{DEVICE_MIB:,} MiB card; {WRITER.key} needs {WRITER.mib:,} MiB.",
+            f"{DEVICE_MIB:,} MiB card; {WRITER.key} needs {WRITER.mib:,} MiB, so the two "
+            "cannot be loaded at once.",
         )
         state = await wait_hot(box, bus, CODER.key)
         for table in state_tables(state, box.sim):
             console.print(table)
 
-        say.step("A client asks for the resident model", "The proxy asks the shim: admit.")
-        answer = await admit(box, bus, CODER.key, "x-uap-client-id:claude-code")
-        say.ok(f"{CODER.key}: {answer}")
+        say.step(
+            "A client asks for the resident model",
+            "Before it forwards a request, the proxy asks uapplace where to send it "
+            "(POST /api/placement/admit on the shim).",
+        )
+        answer = await admit(box, bus, CODER.key, CLIENT)
+        say.ok(f"{CODER.key}: {decision_text(answer)}")
 
         say.step(
             "A client asks for a model that is not loaded",
             "uapplace never evicts on its own: the request is parked for the operator.",
         )
-        parked = await admit(box, bus, WRITER.key, "x-uap-client-id:claude-code")
+        parked = await admit(box, bus, WRITER.key, CLIENT)
         if parked.get("decision") != "park":
             raise DemoError(f"expected a park for {WRITER.key}, got {parked}")
         placement_id = str(parked["placement_id"])
-        say.ok(f"{WRITER.key}: {parked}  (the client gets a 409 and retries)")
+        say.ok(f"{WRITER.key}: {decision_text(parked)}")
+        say.note("the proxy answers the client 409 with this id; the client retries later")
 
         say.step(
             "What the operator sees (`uapplace pending`)",
@@ -659,8 +676,8 @@ async def walkthrough(box: Sandbox, console: Console) -> None:
         say.ok(f"applied in {len(result['steps'])} steps, run {result.get('runId')}")
 
         say.step("The client retries", "Now the same request forwards to the new resident.")
-        answer = await admit(box, bus, WRITER.key, "x-uap-client-id:claude-code")
-        say.ok(f"{WRITER.key}: {answer}")
+        answer = await admit(box, bus, WRITER.key, CLIENT)
+        say.ok(f"{WRITER.key}: {decision_text(answer)}")
         reply = await _chat(box.endpoint(WRITER), WRITER.key)
         say.ok(f"{box.endpoint(WRITER)}/v1/chat/completions → {reply!r}")
 
@@ -759,6 +776,8 @@ async def _main(console: Console, keep: bool, **sandbox_options: Any) -> int:
 
     def on_signal() -> None:
         nonlocal interrupted
+        if interrupted:
+            return  # the clean-up is under way: another Ctrl-C must not cut it short
         interrupted = True
         stop.set()
         if not keep_waiting:
@@ -780,7 +799,9 @@ async def _main(console: Console, keep: bool, **sandbox_options: Any) -> int:
                 Panel(
                     f"uapplace demo: {where}, a simulated GPU, two fake engines, uapplaced"
                     + (" and uapplace-shim" if box.spec.shim else "")
-                    + f"\nsandbox: {box.base}",
+                    + ".\nYou will see a request for a model that is not loaded get parked, "
+                    "the operator approve one option, and uapplace swap the engines, checking "
+                    "each step." + f"\nsandbox: {box.base}",
                     expand=False,
                 )
             )
@@ -797,7 +818,14 @@ async def _main(console: Console, keep: bool, **sandbox_options: Any) -> int:
     except asyncio.CancelledError:
         console.print("[yellow]interrupted; cleaned up")
         return EXIT_INTERRUPTED
-    except (DemoError, ContainmentError, PlacementError, TimeoutError) as err:
+    except (
+        DemoError,
+        ContainmentError,
+        PlacementError,
+        UnitError,
+        aiohttp.ClientError,
+        TimeoutError,
+    ) as err:
         console.print(f"[red]demo failed:[/] {err or type(err).__name__}")
         return 1
     finally:
@@ -806,4 +834,6 @@ async def _main(console: Console, keep: bool, **sandbox_options: Any) -> int:
     if interrupted and not keep:
         return EXIT_INTERRUPTED
     console.print("[bold green]demo finished; nothing left behind")
+    if not keep:
+        console.print("[dim]`uapplace demo --keep` leaves the sandbox running to explore it")
     return 0

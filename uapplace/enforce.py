@@ -1244,14 +1244,17 @@ async def attach_enforcement(
     """Connect to the user manager and give ``controller`` its enforcer and measurer.
 
     Residents then follow the units (:class:`~uapplace.unitsync.UnitSync`, synced
-    once now). Raises :class:`~uapplace.units.UnitError` when the user manager is
-    unreachable and :class:`~uapplace.registry.ConfigFileError` for a bad
-    ``enforcement-timeouts.json``; ``controller`` is untouched then.
+    once now). The controller gets its enforcer and measurer only once all of
+    that has started. Raises :class:`~uapplace.units.UnitError` when the user
+    manager is unreachable, :class:`~uapplace.registry.ConfigFileError` for a bad
+    ``enforcement-timeouts.json``, and whatever the first sync raised; then
+    ``controller`` gets no enforcer or measurer, the unit sync is closed and the
+    :class:`~uapplace.units.UnitManager` this call made (not one passed in as
+    ``units``) is closed.
     """
     if timeouts is None:
         timeouts = await asyncio.to_thread(Timeouts.load, paths.enforcement_timeouts)
     manager = units or UnitManager()
-    await manager.connect()
     host = ControllerHost(controller)
     marks = EnforcementMarks()
     enforcer = Enforcer(host, manager, timeouts=timeouts, refresher=refresher, marks=marks)
@@ -1262,7 +1265,15 @@ async def attach_enforcement(
         await sync.sync_all()
 
     measurer = Measurer(paths, host, manager, http_s=timeouts.http_s, after_write=after_measure)
+    try:
+        await manager.connect()
+        await sync.start()
+    except BaseException:
+        await sync.close()
+        if units is None:
+            manager.close()
+        raise
+    # Only now: a half-wired controller would accept an Apply it cannot see through.
     controller.enforcer = enforcer
     controller.measurer = measurer
-    await sync.start()
     return EnforcementStack(manager, enforcer, sync, measurer, controller)

@@ -26,6 +26,7 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusFastError
 
+from uapplace.errors import PlacementFailure
 from uapplace.model import (
     Option,
     OptionKind,
@@ -558,6 +559,9 @@ class Notifier:
 async def _guarded(callback: Awaitable[None], key: str) -> None:
     try:
         await callback
+    except PlacementFailure as err:
+        # Expected refusals (Drifted, Busy, NotFound …): a click has no caller to tell.
+        log.warning("notification action %s refused: %s: %s", key, type(err).__name__, err)
     except Exception:
         log.exception("notification action %s failed", key)
 

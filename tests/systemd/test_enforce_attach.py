@@ -1,0 +1,119 @@
+"""``attach_enforcement`` wires the controller only once everything started.
+
+If the first unit sync fails (here: reading a unit's state raises something
+that is not a :class:`~uapplace.units.UnitError`, as a pystemd surprise would),
+the controller must get neither an enforcer nor a measurer (the daemon then
+answers ``Failed`` saying enforcement could not start), and the user-bus
+connections the call opened must be closed again, seen from the bus itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+from dbus_fast import Message, MessageType
+from dbus_fast.aio import MessageBus
+
+from tests.bus.conftest import make_env
+from tests.systemd.conftest import GUARD_S
+from uapplace.controller import Controller
+from uapplace.enforce import Timeouts, attach_enforcement
+from uapplace.paths import Paths
+from uapplace.sim.usermanager import ContainedUserManager
+from uapplace.units import UnitManager, UnitState
+
+pytestmark = pytest.mark.systemd
+
+
+class SyncExploded(RuntimeError):
+    pass
+
+
+async def _bus_call(bus: MessageBus, member: str, signature: str = "", *args: object) -> object:
+    reply = await bus.call(
+        Message(
+            destination="org.freedesktop.DBus",
+            path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus",
+            member=member,
+            signature=signature,
+            body=list(args),
+        )
+    )
+    assert reply is not None and reply.message_type is MessageType.METHOD_RETURN, reply
+    return reply.body[0]
+
+
+async def connections_of_this_process(address: str) -> int:
+    """Connections on the bus at ``address`` that belong to this process (this probe excluded)."""
+    bus = await MessageBus(bus_address=address).connect()
+    try:
+        names = await _bus_call(bus, "ListNames")
+        assert isinstance(names, list)
+        count = 0
+        for name in names:
+            if not name.startswith(":") or name == bus.unique_name:
+                continue
+            pid = await _bus_call(bus, "GetConnectionUnixProcessID", "s", name)
+            count += pid == os.getpid()
+        return count
+    finally:
+        bus.disconnect()
+
+
+@pytest.fixture
+def controller(user_manager: ContainedUserManager, tmp_path: Path) -> Controller:
+    """A controller (not started) whose registry names units ``uap-alpha`` … to sync."""
+    return Controller.open(Paths.from_env(make_env(tmp_path, user_manager.bus_address).env))
+
+
+@pytest.fixture
+def failing_state(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every ``UnitManager.state`` read raises :class:`SyncExploded`; the units asked for."""
+    asked: list[str] = []
+
+    async def state(self: UnitManager, name: str) -> UnitState:
+        asked.append(name)
+        raise SyncExploded(f"simulated failure reading {name}")
+
+    monkeypatch.setattr(UnitManager, "state", state)
+    return asked
+
+
+async def test_a_failed_first_sync_leaves_the_controller_unwired_and_the_bus_clean(
+    user_manager: ContainedUserManager,
+    controller: Controller,
+    failing_state: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    address = user_manager.bus_address
+    monkeypatch.setenv("DBUS_SESSION_BUS_ADDRESS", address)  # where UnitManager() connects
+    before = await connections_of_this_process(address)
+
+    with pytest.raises(SyncExploded):
+        await attach_enforcement(controller, controller.paths, None, timeouts=Timeouts())
+
+    assert failing_state, "the first sync never read a unit: the failure was not exercised"
+    assert controller.enforcer is None
+    assert controller.measurer is None
+    # UnitManager.close() hands the socket close to its worker thread: poll the bus.
+    async with asyncio.timeout(GUARD_S):
+        while True:
+            if await connections_of_this_process(address) == before:
+                break
+            await asyncio.sleep(0.05)
+
+
+async def test_a_unit_manager_passed_in_stays_connected_for_its_owner(
+    user_manager: ContainedUserManager,
+    units: UnitManager,
+    controller: Controller,
+    failing_state: list[str],
+) -> None:
+    with pytest.raises(SyncExploded):
+        await attach_enforcement(controller, controller.paths, None, units=units)
+    assert controller.enforcer is None and controller.measurer is None
+    await units.reload()  # still connected: the caller closes what it owns
