@@ -323,13 +323,20 @@ class Notifier:
             await self._show(bubble)
 
     async def resolved(self, placement_id: str, outcome: str) -> None:
-        """The entry is gone (applied, dismissed, expired): close its bubble unless others show."""
+        """The entry is gone (applied, dismissed, expired): close its bubble unless others show.
+
+        ``applied``/``forwarded`` mean the model is served now: every other park for it
+        resolves in the same pass, so the bubble closes at once rather than being redrawn
+        with a button that would stop what is already stopped.
+        """
         async with self._lock:
             bubble = next((b for b in self._bubbles.values() if placement_id in b.shown), None)
             if bubble is None:
                 return
             log.debug("notification for %s: %s %s", bubble.model, placement_id, outcome)
             del bubble.shown[placement_id]
+            if outcome in ("applied", "forwarded"):
+                bubble.shown.clear()
             if bubble.shown:
                 await self._show(bubble)
                 return

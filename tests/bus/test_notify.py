@@ -316,7 +316,7 @@ async def test_resolved_closes_the_bubble_once_no_entry_shows(
     await notifier.parked(entry(), plan(displace()), ["claude-code"])
     await notifier.parked(entry("p-2", "aider"), plan(alongside()), ["aider"])
 
-    await notifier.resolved("p-2", "applied")
+    await notifier.resolved("p-2", "dismissed")
     assert notification_daemon.calls("CloseNotification") == []
     last = notify_calls(notification_daemon)[-1]
     assert last[1] == 1
@@ -329,6 +329,20 @@ async def test_resolved_closes_the_bubble_once_no_entry_shows(
 
     await notifier.parked(entry("p-4"), plan(), ["claude-code"])
     assert notify_calls(notification_daemon)[-1][1] == 0
+
+
+@pytest.mark.bus
+async def test_an_applied_entry_closes_the_whole_bubble_at_once(
+    notification_daemon: MockService, notifier: Notifier
+) -> None:
+    await notifier.parked(entry(), plan(displace()), ["claude-code"])
+    await notifier.parked(entry("p-2", "aider"), plan(displace()), ["aider"])
+    shown = len(notify_calls(notification_daemon))
+
+    await notifier.resolved("p-2", "applied")
+    assert notification_daemon.calls("CloseNotification") == [[1]]
+    assert len(notify_calls(notification_daemon)) == shown  # no redraw with a stale button
+    assert notifier.notification_id(MODEL) is None
 
 
 @pytest.mark.bus
