@@ -50,13 +50,14 @@ class PlacementError(Exception):
 
 
 class PlacementClient:
-    def __init__(self, bus: MessageBus, call_timeout: float = 30.0) -> None:
+    def __init__(self, bus: MessageBus, call_timeout: float | None = 30.0) -> None:
         self.bus = bus
         self.call_timeout = call_timeout
+        """``None``: no deadline of its own (the caller runs one, as the shim does)."""
 
     @classmethod
     async def connect(
-        cls, address: str | None = None, call_timeout: float = 30.0
+        cls, address: str | None = None, call_timeout: float | None = 30.0
     ) -> PlacementClient:
         bus = await MessageBus(bus_address=address or user_bus_address()).connect()
         return cls(bus, call_timeout)
@@ -75,8 +76,11 @@ class PlacementClient:
             body=body or [],
         )
         try:
-            async with asyncio.timeout(self.call_timeout):
+            if self.call_timeout is None:
                 reply = await self.bus.call(message)
+            else:
+                async with asyncio.timeout(self.call_timeout):
+                    reply = await self.bus.call(message)
         except TimeoutError:
             raise PlacementError(
                 "org.freedesktop.DBus.Error.Timeout", f"{member}: no reply in {self.call_timeout} s"

@@ -12,7 +12,10 @@ Start-up order matters, because the daemon is the ledger's only writer:
    tick, and wire the collaborators: authorizer, proxy, notifier, auto policy, unit
    drop-ins and, when a systemd user manager is on the bus, enforcement
    (``enforce.attach_enforcement``), the auto runner and the idle sweep. Without a
-   user manager, Apply/Load/Unload/Measure answer ``Failed`` saying so.
+   user manager, Apply/Load/Unload/Measure answer ``Failed`` saying so;
+6. listen on the Admit-only peer socket ``$XDG_RUNTIME_DIR/uapplace/bus``
+   (:mod:`uapplace.peer`, the shim's short way round the bus); if that cannot be
+   done safely, a warning, and admits go over the bus only.
 
 SIGTERM/SIGINT: refuse new enforcement, let a running one finish or roll back
 (bounded), flush the ledger, release the name, exit 0. SIGHUP re-reads the registry
@@ -48,6 +51,7 @@ from uapplace.idle import IdleSweep
 from uapplace.model import PendingEntry, Plan, Registry
 from uapplace.notify import Notifier
 from uapplace.paths import BUS_NAME, OBJECT_PATH, Paths
+from uapplace.peer import PeerListener, PeerRefused
 from uapplace.planner import plan
 from uapplace.registry import ConfigFileError
 from uapplace.service import PlacementInterface, track_senders
@@ -122,6 +126,8 @@ class Daemon:
         self.bus: MessageBus | None = None
         self.stack: EnforcementStack | None = None
         self.sweep_task: asyncio.Future[None] | None = None
+        self.peer_listener: PeerListener | None = None
+        self.interface: PlacementInterface | None = None
 
     async def run(self) -> int:
         try:
@@ -134,7 +140,8 @@ class Daemon:
             return self._already_owned(bus)
         await self.controller.restore_from_ledger()
         track_senders(bus)
-        bus.export(OBJECT_PATH, PlacementInterface(self.controller))
+        self.interface = PlacementInterface(self.controller)
+        bus.export(OBJECT_PATH, self.interface)
         await self._watch_peers(bus)
         reply = await bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
         if reply is not RequestNameReply.PRIMARY_OWNER:
@@ -143,6 +150,7 @@ class Daemon:
         self._install_signal_handlers()
         self.controller.start_background()
         await self._wire_collaborators(bus)
+        await self._listen_on_peer_socket()
         log.info("uapplaced %s owns %s on %s", __version__, BUS_NAME, self.address)
         lost = asyncio.ensure_future(bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
         stopped = asyncio.ensure_future(self.stop.wait())
@@ -165,6 +173,8 @@ class Daemon:
 
     async def _shutdown(self, bus: MessageBus, connected: bool) -> None:
         log.info("stopping: no new enforcement; flushing the ledger")
+        if self.peer_listener is not None:
+            await self.peer_listener.close()
         await self.controller.shutdown()
         if self.sweep_task is not None:
             self.sweep_task.cancel()
@@ -250,6 +260,19 @@ class Daemon:
         controller.idle_sweep = sweep
         self.sweep_task = asyncio.ensure_future(sweep.run())
         log.info("enforcement, unit sync, auto runner and idle sweep wired")
+
+    async def _listen_on_peer_socket(self) -> None:
+        """The Admit-only peer socket (:mod:`uapplace.peer`); the bus works without it."""
+        interface = self.interface
+        assert interface is not None
+        listener = PeerListener(self.paths.peer_socket, interface.admit_answer)
+        try:
+            await listener.start()
+        except (PeerRefused, OSError) as err:
+            log.warning("no peer-to-peer Admit socket (the shim uses the bus): %s", err)
+            return
+        self.peer_listener = listener
+        log.info("Admit also answered on %s (peer-to-peer, same uid)", listener.path)
 
     async def _wire_notifier(self, controller: Controller) -> None:
         async def on_apply(placement_id: str, option: int, signature: tuple[str, ...]) -> None:

@@ -194,6 +194,12 @@ class GateClient:
             return None
         return parse_answer(status, payload)
 
+    def forget_parks(self) -> int:
+        """Drop the burst map (after a swap, a retry must ask again); how many were dropped."""
+        dropped = len(self._bursts)
+        self._bursts = {}
+        return dropped
+
     def fallback(self, model_id: str) -> GateDecision:
         """Read-only admission from the proxy's cached upstream ids (no controller answer)."""
         try:

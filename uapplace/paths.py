@@ -14,7 +14,8 @@ Knobs:
 ``UAPPLACE_CONFIG_DIR``    the shipped defaults (``model-registry.json``,
                            ``capacity-policy.json``), default the repo's ``config/``
 ``UAPPLACE_SIM_GPU``       simulated GPU state file; when set, it replaces NVML
-``XDG_RUNTIME_DIR``        the shim token lives in ``$XDG_RUNTIME_DIR/uapplace/token``
+``XDG_RUNTIME_DIR``        the shim token lives in ``$XDG_RUNTIME_DIR/uapplace/token``,
+                           uapplaced's Admit-only peer socket in ``…/uapplace/bus``
 ``XDG_CONFIG_HOME``        Conflicts= drop-ins go under ``$XDG_CONFIG_HOME/systemd/user``
                            (so does ``uapplaced.service`` from ``uapplace install``)
 ``XDG_DATA_HOME``          ``uapplace install`` writes the D-Bus activation file to
@@ -116,6 +117,11 @@ class Paths:
     @property
     def token_file(self) -> Path:
         return self.runtime_dir / "uapplace" / "token"
+
+    @property
+    def peer_socket(self) -> Path:
+        """uapplaced's peer-to-peer D-Bus socket for ``Admit`` (:mod:`uapplace.peer`)."""
+        return self.runtime_dir / "uapplace" / "bus"
 
     @property
     def user_unit_dir(self) -> Path:

@@ -179,6 +179,12 @@ class PlacementInterface(ServiceInterface):
     def Admit(
         self, model: DBusStr, client: DBusStr, session: DBusStr, cells: DBusUInt32
     ) -> DecisionOut:
+        return self.admit_answer(model, client, session, cells)
+
+    def admit_answer(
+        self, model: str, client: str, session: str, cells: int
+    ) -> tuple[str, str, str, str]:
+        """``Admit``'s reply body; also what the peer socket answers (:mod:`uapplace.peer`)."""
         try:
             decision = self._controller.admit(model, client, session, cells)
         except Exception as err:

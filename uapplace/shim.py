@@ -3,7 +3,11 @@
 The UAP proxy asks a *placement controller* over HTTP; pointing its
 ``PROXY_PLACEMENT_CONTROLLER`` at this shim makes ``uapplaced`` that controller.
 Each route is one call on the ``org.uap.Placement1`` bus API over one persistent
-bus connection (reconnected on loss). The shim holds no placement state.
+bus connection (reconnected on loss). The shim holds no placement state. Admit,
+the hot path, goes over uapplaced's Admit-only peer-to-peer socket
+(``$XDG_RUNTIME_DIR/uapplace/bus``, :mod:`uapplace.peer`) once the shim has
+checked that the process listening there owns ``org.uap.Placement1`` on its bus;
+otherwise (or with ``--no-peer``) over the bus too (see :class:`BusGateway`).
 
 Routes (``GET /openapi.json`` describes each one with its schemas), each with
 its bus call and who may call it:
@@ -45,7 +49,10 @@ Status mapping of the daemon's answers:
   Apply-style body (``ok: false``, ``error``: "victim set changed: …"),
   ``Busy`` → 409, ``InvalidArgument`` → 400, ``NotAuthorized`` → 403,
   ``Failed`` → 500 (the daemon could not even produce a result), any other
-  error name → 502.
+  error name → 502. One ``Failed`` is a 503 instead: "<Method> is not
+  available: …" (the daemon is up but has no systemd user manager to enforce
+  with) or "… is not implemented yet" (not wired yet): the daemon did not fail,
+  the machinery is missing, and the 503 carries the daemon's message.
 - The daemon unreachable or slower than the deadline (admit 1.5 s, well inside
   the proxy's 2 s; reads 10 s; enforcements 900 s) → 503
   ``{"error": "placement daemon unavailable: …"}``: the proxy then falls back to
@@ -62,6 +69,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -74,13 +82,15 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 from aiohttp import web
+from dbus_fast import Message, MessageType
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from uapplace.client import PlacementClient, PlacementError, user_bus_address
 from uapplace.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from uapplace.metrics import ShimMetrics
 from uapplace.model import DEFAULT_CELLS
-from uapplace.paths import Paths
+from uapplace.paths import BUS_NAME, Paths
+from uapplace.peer import connect_peer
 from uapplace.shim_openapi import openapi_document
 
 log = logging.getLogger("uapplace.shim")
@@ -105,6 +115,10 @@ ADMIT_DEADLINE_S = 1.5
 READ_DEADLINE_S = 10.0
 ENFORCEMENT_DEADLINE_S = 900.0
 SCRAPE_DEADLINE_S = 2.0
+PEER_RETRY_S = 5.0
+"""How often the shim tries the daemon's peer socket again while it cannot be used."""
+PEER_CONNECT_S = 0.25
+"""The most one attempt at the peer socket may take out of an admit's deadline."""
 
 UNAVAILABLE_ERRORS = frozenset(
     {
@@ -126,6 +140,7 @@ STATUS_BY_BUS_ERROR = {
     "NotAuthorized": 403,
     "Failed": 500,
 }
+MACHINERY_MISSING = re.compile(r"^\w+ is not (available: |implemented yet)")
 ROUTES = {
     "admit": "/api/placement/admit",
     "state": "/api/placement/state",
@@ -437,22 +452,91 @@ def token_matches(given: str | None, token: str) -> bool:
 
 
 class BusGateway:
-    """One persistent bus connection to ``uapplaced``, reconnected on loss.
+    """One persistent bus connection to ``uapplaced``, reconnected on loss; and, for
+    ``Admit``, the daemon's peer-to-peer socket when it may be used.
 
     Every call runs under a deadline covering the (re)connect and the call, and
     its latency lands in the metrics whatever the outcome.
+
+    The peer socket (:mod:`uapplace.peer`) skips ``dbus-daemon``'s two hops on the
+    hot path. It is used only once :func:`uapplace.peer.connect_peer` has checked
+    that its listener is the process owning ``org.uap.Placement1`` on this bus;
+    until then, after a failed attempt (retried at most every
+    :data:`PEER_RETRY_S`), or with ``peer_socket=None``, admits take the bus.
+    A peer link lost mid-call is dropped and that call retried on the bus.
     """
 
-    def __init__(self, address: str, metrics: ShimMetrics) -> None:
+    def __init__(self, address: str, metrics: ShimMetrics, peer_socket: Path | None = None) -> None:
         self.address = address
         self.metrics = metrics
+        self.peer_socket = peer_socket
         self._client: PlacementClient | None = None
         self._connecting = asyncio.Lock()
+        self._peer: PlacementClient | None = None
+        self._peer_retry_at = 0.0
+        self._peer_note = ""
 
     async def close(self) -> None:
+        self._drop_peer()
         if self._client is not None:
             self._client.disconnect()
             self._client = None
+
+    @property
+    def on_peer(self) -> bool:
+        """Whether admits currently go over the peer socket."""
+        return self._peer is not None and self._peer.bus.connected
+
+    def _drop_peer(self) -> None:
+        if self._peer is not None:
+            self._peer.disconnect()
+            self._peer = None
+
+    def _note_peer(self, note: str) -> None:
+        """Log how admits travel, once per change."""
+        if note != self._peer_note:
+            self._peer_note = note
+            log.info("%s", note)
+
+    async def _peer_client(self) -> PlacementClient | None:
+        """The peer link, (re)made when allowed; ``None``: use the bus."""
+        if self.on_peer:
+            return self._peer
+        self._drop_peer()
+        now = time.monotonic()
+        if self.peer_socket is None or now < self._peer_retry_at:
+            return None
+        self._peer_retry_at = now + PEER_RETRY_S
+        try:
+            # Bounded on its own, so a peer socket that hangs costs this admit little.
+            async with asyncio.timeout(PEER_CONNECT_S):
+                owner = await self._owner_pid(await self._connected())
+                bus = await connect_peer(self.peer_socket, owner)
+        except Exception as err:  # every failure means "stay on the bus"
+            why = str(err) or type(err).__name__
+            self._note_peer(f"admits go over the bus (peer socket {self.peer_socket}: {why})")
+            return None
+        self._peer = PlacementClient(bus, call_timeout=None)
+        self._note_peer(
+            f"admits go over the peer socket {self.peer_socket} (uapplaced pid {owner})"
+        )
+        return self._peer
+
+    @staticmethod
+    async def _owner_pid(client: PlacementClient) -> int:
+        reply = await client.bus.call(
+            Message(
+                destination="org.freedesktop.DBus",
+                path="/org/freedesktop/DBus",
+                interface="org.freedesktop.DBus",
+                member="GetConnectionUnixProcessID",
+                signature="s",
+                body=[BUS_NAME],
+            )
+        )
+        if reply is None or reply.message_type is not MessageType.METHOD_RETURN:
+            raise DaemonUnavailable(f"no pid for {BUS_NAME}: {reply.body if reply else 'no reply'}")
+        return int(reply.body[0])
 
     async def _connected(self) -> PlacementClient:
         client = self._client
@@ -463,9 +547,8 @@ class BusGateway:
                 return self._client
             await self.close()
             try:
-                self._client = await PlacementClient.connect(
-                    self.address, call_timeout=ENFORCEMENT_DEADLINE_S
-                )
+                # Every call runs under its own deadline (call() below), so no second one.
+                self._client = await PlacementClient.connect(self.address, call_timeout=None)
             except Exception as err:  # every connect failure means "unavailable"
                 raise DaemonUnavailable(
                     f"cannot connect to the bus at {self.address}: {err}"
@@ -473,12 +556,29 @@ class BusGateway:
             return self._client
 
     async def call(
-        self, method: str, deadline: float, work: Callable[[PlacementClient], Awaitable[T]]
+        self,
+        method: str,
+        deadline: float,
+        work: Callable[[PlacementClient], Awaitable[T]],
+        *,
+        via_peer: bool = False,
     ) -> T:
         started = time.perf_counter()
         outcome = "ok"
         try:
             async with asyncio.timeout(deadline):
+                peer = await self._peer_client() if via_peer else None
+                if peer is not None:
+                    try:
+                        return await work(peer)
+                    except PlacementError:
+                        raise  # the daemon's own answer
+                    except Exception as err:
+                        if peer.bus.connected:
+                            raise
+                        self._drop_peer()
+                        why = str(err) or type(err).__name__
+                        self._note_peer(f"peer socket lost ({why}); admits go over the bus")
                 client = await self._connected()
                 return await work(client)
         except TimeoutError:
@@ -511,6 +611,8 @@ class BusGateway:
 class ShimSettings:
     token: str
     bus_address: str
+    peer_socket: Path | None = None
+    """uapplaced's Admit-only peer socket; ``None``: admit over the bus only."""
     admit_deadline: float = ADMIT_DEADLINE_S
     read_deadline: float = READ_DEADLINE_S
     enforcement_deadline: float = ENFORCEMENT_DEADLINE_S
@@ -536,14 +638,21 @@ class Shim:
             raise HttpError(401, f"wrong {TOKEN_HEADER} header")
 
     async def bus(
-        self, method: str, deadline: float, work: Callable[[PlacementClient], Awaitable[T]]
+        self,
+        method: str,
+        deadline: float,
+        work: Callable[[PlacementClient], Awaitable[T]],
+        *,
+        via_peer: bool = False,
     ) -> T:
         """A bus call with the daemon's errors turned into HTTP answers."""
         try:
-            return await self.gateway.call(method, deadline, work)
+            return await self.gateway.call(method, deadline, work, via_peer=via_peer)
         except DaemonUnavailable as err:
             raise HttpError(503, f"placement daemon unavailable: {err}") from None
         except PlacementError as err:
+            if err.short == "Failed" and lacks_machinery(err.message):
+                raise HttpError(503, err.message, bus_error=err.short) from None
             status = STATUS_BY_BUS_ERROR.get(err.short, 502)
             message = err.message if err.short in STATUS_BY_BUS_ERROR else str(err)
             raise HttpError(status, message, bus_error=err.short) from None
@@ -558,6 +667,7 @@ class Shim:
             "Admit",
             self.settings.admit_deadline,
             lambda c: c.admit(admit.model_id, admit.client, admit.session, admit.cells),
+            via_peer=True,
         )
         decision = answer.get("decision")
         if decision == "forward":
@@ -711,6 +821,18 @@ def parse_cells_query(text: str | None) -> int:
     return int(text)
 
 
+def lacks_machinery(message: str) -> bool:
+    """A ``Failed`` that says the daemon is up but cannot do this here (or not yet).
+
+    The wording is :func:`uapplace.errors.unavailable` ("Apply is not available:
+    it needs the systemd user manager…") and :func:`uapplace.errors.not_implemented`
+    (a collaborator not wired yet, e.g. in the moment between the daemon taking
+    its name and wiring enforcement). Neither is the daemon failing on this
+    request, so the shim answers ``503`` with the daemon's message, not ``500``.
+    """
+    return MACHINERY_MISSING.match(message) is not None
+
+
 def apply_outcome(result: Any) -> str:
     """``ok``, ``rolled_back`` or ``failed`` from an Apply/Load/Unload result."""
     if isinstance(result, dict) and result.get("ok") is True:
@@ -789,7 +911,7 @@ def check_access(request: web.Request) -> None:
 
 
 def create_app(settings: ShimSettings) -> web.Application:
-    gateway = BusGateway(settings.bus_address, settings.metrics)
+    gateway = BusGateway(settings.bus_address, settings.metrics, settings.peer_socket)
     shim = Shim(settings, gateway)
     app = web.Application(middlewares=[make_middleware(shim)])
     app[SHIM_KEY] = shim
@@ -878,6 +1000,11 @@ def build_parser(paths: Paths) -> argparse.ArgumentParser:
     parser.add_argument(
         "--admit-timeout", type=float, default=ADMIT_DEADLINE_S, help="admit bus deadline, seconds"
     )
+    parser.add_argument(
+        "--no-peer",
+        action="store_true",
+        help=f"admit over the bus only, never over uapplaced's peer socket ({paths.peer_socket})",
+    )
     return parser
 
 
@@ -904,6 +1031,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = ShimSettings(
         token=token,
         bus_address=args.bus_address or user_bus_address(),
+        peer_socket=None if args.no_peer else paths.peer_socket,
         admit_deadline=args.admit_timeout,
     )
     try:

@@ -34,7 +34,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
         413: "Request body over 10240 bytes",
         500: "The daemon failed without producing a result",
         502: "The daemon answered with an unexpected error",
-        503: "The placement daemon is unreachable or did not answer in time",
+        503: "The placement daemon is unreachable or did not answer in time, or it cannot "
+        "do this here (no systemd user manager to enforce with; the message says so)",
     }
     return {
         str(code): {"description": meaning[code], "content": _json_content(_ref("Error"))}

@@ -22,6 +22,7 @@ import pytest
 from tests.bus.conftest import DaemonProcess, UapEnv, call_json, make_env, start_daemon, wait_until
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.bus.shim_fixtures import SEEDED_LEDGER, Reply, ShimProcess, request, start_shim
+from uapplace.paths import BUS_NAME
 
 pytestmark = pytest.mark.bus
 
@@ -38,6 +39,8 @@ def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
     """This module's daemon, started on a ledger with ``alpha`` resident."""
     uap_env.seed_ledger(SEEDED_LEDGER)
     started = start_daemon(uap_env)
+    # It logs this once every collaborator is wired: before, writes say "not implemented yet".
+    wait_until(lambda: f"owns {BUS_NAME}" in started.log(), "uapplaced to finish wiring")
     try:
         yield started
     finally:
@@ -305,31 +308,27 @@ def test_resolve_with_an_option_out_of_range_is_400(shim: ShimProcess) -> None:
     assert "option 99 is out of range" in reply.json()["error"]
 
 
-def test_resolve_with_a_changed_victim_set_is_409_with_an_apply_style_body(
-    shim: ShimProcess,
-) -> None:
-    """``expected_victims`` is the approval signature: a mismatch refuses before anything runs."""
-    placement_id, _ = parked(admit(shim, {"model_id": "beta", "client": "drift"}))
+def test_resolve_without_a_user_manager_is_503_and_keeps_the_park(shim: ShimProcess) -> None:
+    """No ``systemd --user`` on this bus: the daemon is up but cannot enforce (a 503, not a 500).
+
+    The live victim-set check (409 "victim set changed") needs the enforcer, so it
+    runs on the systemd tier (``tests/systemd/test_e2e_proxy.py``).
+    """
+    placement_id, _ = parked(admit(shim, {"model_id": "beta", "client": "no-manager"}))
     options = wait_until(lambda: pending_entry(shim, placement_id)["options"], "options")
-    never_a_victim = [{"model": "gamma", "config": "gamma-x"}]
     reply = request(
         shim.base_url,
         "POST",
         "/api/placement/resolve",
-        {"placement_id": placement_id, "option": len(options), "expected_victims": never_a_victim},
+        {"placement_id": placement_id, "option": len(options), "expected_victims": []},
         token=shim.token,
     )
-    error = reply.json().get("error", "") if reply.status == 500 else ""
-    if "not implemented yet" in error or "is not available" in error:
-        pytest.skip(f"this uapplaced cannot enforce here: {error}")
-    assert reply.status == 409, reply.raw
-    body = reply.json()
-    assert list(body) == ["ok", "placementId", "steps", "error"]
-    assert (body["ok"], body["placementId"], body["steps"]) == (False, placement_id, [])
-    assert body["error"].startswith("victim set changed")
-    assert placement_id in [
-        e["id"] for e in request(shim.base_url, "GET", "/api/placement/pending").json()["pending"]
-    ]
+    assert reply.status == 503, reply.raw
+    assert list(reply.json()) == ["error"]
+    assert reply.json()["error"].startswith(
+        "Apply is not available: it needs the systemd user manager"
+    )
+    assert pending_entry(shim, placement_id)["id"] == placement_id
 
 
 @pytest.mark.parametrize("path", ["/api/placement/load", "/api/placement/unload"])

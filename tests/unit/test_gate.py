@@ -278,6 +278,22 @@ async def test_auto_loading_parks_under_the_model_only_key(
     assert [body["client"] for body in controller.seen] == ["client-1", "client-2"]
 
 
+async def test_forget_parks_makes_the_next_admit_ask_again(
+    controller: StubController, clock: FakeClock
+) -> None:
+    controller.answer_json(
+        {"decision": "park", "placement_id": "plc-abcdef", "reason": "auto_loading"}
+    )
+    async with gate_for(controller, clock) as gate:
+        await gate.admit("m", "c", None, None)
+        controller.answer_json(FORWARD)
+        assert gate.forget_parks() == 2  # (c, m) and (__auto__, m)
+        after = await gate.admit("m", "c", None, None)
+        assert gate.forget_parks() == 0
+    assert after == GateDecision("forward", target_id=FORWARD["target_id"])
+    assert len(controller.seen) == 2
+
+
 async def test_forward_is_never_remembered(controller: StubController, clock: FakeClock) -> None:
     controller.answer_json(FORWARD)
     async with gate_for(controller, clock) as gate:

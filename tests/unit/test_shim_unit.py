@@ -27,6 +27,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer, make_mocked_request
 
 from uapplace.client import PlacementError
+from uapplace.errors import Failed, not_implemented, unavailable
 from uapplace.metrics import Counter, Histogram, ShimMetrics, state_gauges
 from uapplace.model import DEFAULT_CELLS
 from uapplace.shim import (
@@ -47,6 +48,7 @@ from uapplace.shim import (
     drifted_body,
     encode_json,
     host_header_is_loopback,
+    lacks_machinery,
     load_or_create_token,
     main,
     parse_admit,
@@ -760,7 +762,7 @@ class ScriptedGateway(BusGateway):
         super().__init__("unix:path=/nonexistent", ShimMetrics())
         self.outcome = outcome
 
-    async def call(self, method: str, deadline: float, work: Any) -> Any:
+    async def call(self, method: str, deadline: float, work: Any, *, via_peer: bool = False) -> Any:
         if isinstance(self.outcome, PlacementError):
             raise self.outcome
         return self.outcome
@@ -833,6 +835,28 @@ async def test_drifted_resolve_is_409_with_an_apply_style_body() -> None:
         "error": message,
     }
     assert shim.metrics.enforcements.get("resolve", "drifted") == 1
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        unavailable("Apply", "it needs the systemd user manager, and it is not on this bus"),
+        not_implemented("Load"),
+    ],
+)
+async def test_missing_machinery_is_503_with_the_daemons_message(failure: Failed) -> None:
+    """The daemon is up but cannot enforce here: not a failure of the request (500)."""
+    shim = scripted_shim(PlacementError(failure.bus_name, str(failure)))
+    with pytest.raises(HttpError) as answered:
+        await shim.enforcement("resolve", "Apply", "plc-0a1b2c", lambda c: c.apply("x", 1, None))
+    assert (answered.value.status, answered.value.message) == (503, str(failure))
+    assert shim.metrics.enforcements.get("resolve", "unavailable") == 1
+
+
+def test_only_the_missing_machinery_wording_is_503() -> None:
+    assert lacks_machinery(str(unavailable("Measure", "why")))
+    assert not lacks_machinery("the unit failed: Apply is not available: later in the text")
+    assert not lacks_machinery("internal error: KeyError: 'x'")
 
 
 def test_drifted_wording_always_says_victim_set_changed() -> None:

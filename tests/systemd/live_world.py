@@ -1,0 +1,190 @@
+"""The whole path, live: engines as units, ``uapplaced`` and ``uapplace-shim`` as processes,
+and the gate proxy of :mod:`uapplace.sim.gateproxy` in front of them.
+
+The machine is the one of :mod:`tests.systemd.placement_world` (its registry and
+capacity policy): ``alpha`` (14000 MiB) and ``beta`` (16000 MiB) on one simulated
+24 GiB GPU, so loading ``beta`` while ``alpha`` is resident means displacing it.
+Here every part is the real program:
+
+- the engines are units of the contained ``systemd --user`` running the fake engine;
+- ``uapplaced`` runs on that manager's own bus (so it wires enforcement), started
+  with the bus tier's launcher (:func:`tests.bus.conftest.start_daemon`) in a
+  private world (:func:`tests.bus.conftest.make_env`), its enforcement timeouts
+  :data:`~tests.systemd.placement_world.FAST`;
+- ``uapplace-shim`` runs in front of it (:func:`tests.bus.shim_fixtures.start_shim`);
+- the gate proxy runs in the test's own loop, its ``GateClient`` pointed at the
+  shim; ``UAP_PROXY_URL`` and ``PROXY_AUTH_TOKEN`` point the daemon at it, so the
+  enforcement's ``drain`` and ``refresh-proxy`` steps talk to it, with the token.
+
+Only ``alpha`` is started, before the daemon; the daemon adopts it as a resident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
+from tests.bus.shim_fixtures import ShimProcess, start_shim
+from tests.systemd.conftest import EngineUnit, UnitFiles
+from tests.systemd.placement_world import FAST, POLICY, registry_json
+from uapplace.paths import BUS_NAME
+from uapplace.sim import gateproxy
+from uapplace.sim.gateproxy import GateProxy
+from uapplace.sim.gpu import SimGpu
+from uapplace.units import UnitManager
+
+GUARD_S = 30.0
+"""Upper bound on any wait: a hang guard, never an assertion about speed."""
+PROXY_TOKEN = "live-world-proxy-token"
+WIRED = "enforcement, unit sync, auto runner and idle sweep wired"
+
+
+@dataclass
+class LiveWorld:
+    uap: UapEnv
+    daemon: DaemonProcess
+    shim: ShimProcess
+    proxy: GateProxy
+    proxy_url: str
+    alpha: EngineUnit
+    beta: EngineUnit
+    units: UnitManager
+    http: aiohttp.ClientSession
+
+    async def until(self, what: str, check: Callable[[], Any]) -> Any:
+        """Await ``check()`` until it returns something truthy; fail with the daemon's log."""
+        try:
+            async with asyncio.timeout(GUARD_S):
+                while True:
+                    value = await check()
+                    if value:
+                        return value
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            raise AssertionError(
+                f"gave up waiting for {what}; uapplaced log:\n{self.daemon.log()[-4000:]}"
+            ) from None
+
+    # ------------------------------------------------------------- the shim
+
+    async def shim_get(self, path: str) -> Any:
+        async with self.http.get(self.shim.base_url + path) as reply:
+            assert reply.status == 200, await reply.text()
+            return await reply.json()
+
+    async def shim_post(
+        self, path: str, body: Any, token: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        headers = {"x-uap-dashboard-token": token} if token is not None else {}
+        async with self.http.post(self.shim.base_url + path, json=body, headers=headers) as reply:
+            return reply.status, await reply.json()
+
+    async def resident_states(self) -> dict[str, str]:
+        state = await self.shim_get("/api/placement/state")
+        return {r["model"]: r["state"] for r in state["residents"]}
+
+    async def pending_entry(self, placement_id: str) -> dict[str, Any] | None:
+        entries = (await self.shim_get("/api/placement/pending"))["pending"]
+        return next((e for e in entries if e["id"] == placement_id), None)
+
+    async def options_of(self, placement_id: str) -> list[dict[str, Any]]:
+        """The park's options, once the daemon has planned them."""
+
+        async def planned() -> list[dict[str, Any]] | None:
+            entry = await self.pending_entry(placement_id)
+            return entry["options"] if entry is not None and entry["options"] else None
+
+        options: list[dict[str, Any]] = await self.until(f"options of {placement_id}", planned)
+        return options
+
+    async def resolve(
+        self, placement_id: str, option: int, expected_victims: Sequence[dict[str, str]]
+    ) -> tuple[int, dict[str, Any]]:
+        body = {
+            "placement_id": placement_id,
+            "option": option,
+            "expected_victims": list(expected_victims),
+        }
+        return await self.shim_post("/api/placement/resolve", body, self.shim.token)
+
+    # ------------------------------------------------------------- the units
+
+    async def active(self, unit: EngineUnit) -> str:
+        return (await self.units.state(unit.name)).active_state
+
+    def target_of(self, unit: EngineUnit) -> str:
+        return f"gpu0:{unit.endpoint}"
+
+
+@asynccontextmanager
+async def live_world(
+    tmp_path: Path,
+    user_manager_bus: str,
+    units: UnitManager,
+    unit_files: UnitFiles,
+    *,
+    beta_args: Sequence[str] = (),
+) -> AsyncIterator[LiveWorld]:
+    """The world above; everything it started is stopped (by PID) when the block ends."""
+    # The proxy binds first, so the free ports picked for the engines cannot be its.
+    proxy_sock = gateproxy.bind_loopback()
+    daemon: DaemonProcess | None = None
+    shim: ShimProcess | None = None
+    runner = None
+    try:
+        uap = make_env(tmp_path / "uap", user_manager_bus)
+        sim = SimGpu(Path(uap.env["UAPPLACE_SIM_GPU"]))
+        load = ["--load-secs", "0.3", "--kv", "int8"]
+        alpha = unit_files.engine("alpha", "alpha", sim, mib=14000, engine_args=load)
+        beta_load = [*load, "--advertise", "beta-latest", *beta_args]
+        beta = unit_files.engine("beta", "beta", sim, mib=16000, engine_args=beta_load)
+        await units.reload()
+        host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
+        registry = registry_json(alpha, beta, host_mib)
+        uap.registry.write_text(json.dumps(registry), encoding="utf-8")
+        (uap.config_dir / "capacity-policy.json").write_text(json.dumps(POLICY), encoding="utf-8")
+        uap.home.mkdir(parents=True, exist_ok=True)
+        timeouts = uap.home / "enforcement-timeouts.json"
+        timeouts.write_text(json.dumps(FAST.to_json()), encoding="utf-8")
+        uap.env["UAP_PROXY_URL"] = gateproxy.url_of(proxy_sock)
+        uap.env["PROXY_AUTH_TOKEN"] = PROXY_TOKEN
+        started = await units.start_unit(alpha.name, GUARD_S)
+        assert started.ok, started
+
+        daemon = await asyncio.to_thread(start_daemon, uap)
+        shim = await asyncio.to_thread(start_shim, uap.env, user_manager_bus, uap.root)
+        proxy = GateProxy(shim.base_url, PROXY_TOKEN)
+        runner, proxy_url = await gateproxy.start(proxy, sock=proxy_sock)
+        async with aiohttp.ClientSession() as http:
+            world = LiveWorld(uap, daemon, shim, proxy, proxy_url, alpha, beta, units, http)
+            running = daemon
+
+            async def wired() -> bool:
+                return f"owns {BUS_NAME}" in running.log()
+
+            await world.until("uapplaced to finish wiring", wired)
+            assert WIRED in daemon.log(), daemon.log()
+
+            async def alpha_hot() -> bool:
+                return (await world.resident_states()).get("alpha") == "hot"
+
+            await world.until("alpha to be a hot resident", alpha_hot)
+            yield world
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        else:
+            proxy_sock.close()
+        shim_code = await asyncio.to_thread(shim.stop) if shim is not None else 0
+        daemon_code = await asyncio.to_thread(daemon.stop) if daemon is not None else 0
+    assert shim_code == 0, f"uapplace-shim exited {shim_code}"
+    assert daemon_code == 0, f"uapplaced exited {daemon_code}"
