@@ -31,6 +31,7 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusFastError
 
 from uapplace import errors
+from uapplace.client import bus_daemon_message
 
 log = logging.getLogger(__name__)
 
@@ -159,17 +160,6 @@ async def _call(bus: MessageBus, message: Message, limit_s: float) -> list[Any]:
     return list(reply.body)
 
 
-def _bus_daemon_call(member: str, signature: str = "", body: list[Any] | None = None) -> Message:
-    return Message(
-        destination="org.freedesktop.DBus",
-        path="/org/freedesktop/DBus",
-        interface="org.freedesktop.DBus",
-        member=member,
-        signature=signature,
-        body=body or [],
-    )
-
-
 class Authorizer:
     """``await check(sender, action)`` before every mutation; raises :class:`NotAuthorized`."""
 
@@ -209,7 +199,7 @@ class Authorizer:
 
     async def caller(self, sender: str, action: Action) -> Caller:
         """PID and UID of ``sender`` from the session bus daemon (fail closed)."""
-        message = _bus_daemon_call("GetConnectionCredentials", "s", [sender])
+        message = bus_daemon_message("GetConnectionCredentials", "s", [sender])
         try:
             (credentials,) = await _call(self.session_bus, message, BUS_CALL_TIMEOUT)
         except _CallFailed as err:
@@ -292,11 +282,13 @@ class Authorizer:
             return False, f"no system bus at {address}"
         try:
             (owned,) = await _call(
-                bus, _bus_daemon_call("NameHasOwner", "s", [POLKIT_NAME]), BUS_CALL_TIMEOUT
+                bus, bus_daemon_message("NameHasOwner", "s", [POLKIT_NAME]), BUS_CALL_TIMEOUT
             )
             if owned:
                 return True, ""
-            (names,) = await _call(bus, _bus_daemon_call("ListActivatableNames"), BUS_CALL_TIMEOUT)
+            (names,) = await _call(
+                bus, bus_daemon_message("ListActivatableNames"), BUS_CALL_TIMEOUT
+            )
         except _CallFailed as err:
             await self.close()
             return False, f"system bus {address}: {err}"

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from uapplace import __version__
-from uapplace.client import PlacementClient, PlacementError, user_bus_address
+from uapplace.client import PlacementClient, PlacementError, bus_daemon_message, user_bus_address
 from uapplace.model import DEFAULT_CELLS, parse_iso
 from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH, Paths
 
@@ -752,16 +752,7 @@ def watch(as_json: JsonFlag = False) -> None:
 
         bus.add_message_handler(on_message)
         rule = f"type='signal',sender='{BUS_NAME}',path='{OBJECT_PATH}',interface='{INTERFACE}'"
-        reply = await bus.call(
-            Message(
-                destination="org.freedesktop.DBus",
-                path="/org/freedesktop/DBus",
-                interface="org.freedesktop.DBus",
-                member="AddMatch",
-                signature="s",
-                body=[rule],
-            )
-        )
+        reply = await bus.call(bus_daemon_message("AddMatch", "s", [rule]))
         if reply is None or reply.message_type is MessageType.ERROR:
             raise Unreachable(f"the bus refused the signal subscription: {reply and reply.body}")
         # Once this line is out the subscription is in place (scripts may wait for it).

@@ -32,6 +32,18 @@ def user_bus_address(env: Mapping[str, str] | None = None) -> str:
     return f"unix:path={runtime}/bus"
 
 
+def bus_daemon_message(member: str, signature: str = "", body: list[Any] | None = None) -> Message:
+    """A method call to the message bus itself (``org.freedesktop.DBus``)."""
+    return Message(
+        destination="org.freedesktop.DBus",
+        path="/org/freedesktop/DBus",
+        interface="org.freedesktop.DBus",
+        member=member,
+        signature=signature,
+        body=body or [],
+    )
+
+
 class PlacementError(Exception):
     """An error reply from the daemon, or no daemon at all (``name`` says which)."""
 

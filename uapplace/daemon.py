@@ -43,7 +43,7 @@ from dbus_fast.constants import NameFlag, RequestNameReply
 from uapplace import __version__
 from uapplace.authz import Authorizer
 from uapplace.auto import AutoRunner, PolicyStore, enforcement_envelope_s
-from uapplace.client import user_bus_address
+from uapplace.client import bus_daemon_message, user_bus_address
 from uapplace.controller import Controller, ProxyHolders, UnitDropins, VictimRef
 from uapplace.enforce import EnforcementStack, attach_enforcement
 from uapplace.engines import ProxyClient
@@ -329,16 +329,7 @@ class Daemon:
 
 
 async def _bus_call(bus: MessageBus, member: str, signature: str, body: list[Any]) -> list[Any]:
-    reply = await bus.call(
-        Message(
-            destination="org.freedesktop.DBus",
-            path="/org/freedesktop/DBus",
-            interface="org.freedesktop.DBus",
-            member=member,
-            signature=signature,
-            body=body,
-        )
-    )
+    reply = await bus.call(bus_daemon_message(member, signature, body))
     if reply is None or reply.message_type is MessageType.ERROR:
         text = reply.body[0] if reply is not None and reply.body else "no reply"
         raise RuntimeError(f"{member}: {text}")

@@ -50,7 +50,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from uapplace import engines
-from uapplace.client import PlacementClient, PlacementError, user_bus_address
+from uapplace.client import PlacementClient, PlacementError, bus_daemon_message, user_bus_address
 from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 from uapplace.sim.gpu import SimGpu, sim_uuid
 from uapplace.sim.usermanager import ContainedUserManager, ContainmentError, can_contain
@@ -260,16 +260,7 @@ class Sandbox:
         except Exception as err:
             raise DemoError(f"cannot reach the user bus at {self.bus_address}: {err}") from err
         try:
-            reply = await bus.call(
-                Message(
-                    destination="org.freedesktop.DBus",
-                    path="/org/freedesktop/DBus",
-                    interface="org.freedesktop.DBus",
-                    member="NameHasOwner",
-                    signature="s",
-                    body=[BUS_NAME],
-                )
-            )
+            reply = await bus.call(bus_daemon_message("NameHasOwner", "s", [BUS_NAME]))
         finally:
             bus.disconnect()
         if reply is not None and reply.message_type is MessageType.METHOD_RETURN and reply.body[0]:
@@ -702,16 +693,7 @@ async def _pending_with_options(bus: PlacementClient, placement_id: str) -> dict
 
 
 async def _add_match(bus: PlacementClient, rule: str) -> None:
-    await bus.bus.call(
-        Message(
-            destination="org.freedesktop.DBus",
-            path="/org/freedesktop/DBus",
-            interface="org.freedesktop.DBus",
-            member="AddMatch",
-            signature="s",
-            body=[rule],
-        )
-    )
+    await bus.bus.call(bus_daemon_message("AddMatch", "s", [rule]))
 
 
 async def _chat(endpoint: str, model: str) -> str:

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dbus_fast import Message, MessageType
+from dbus_fast import MessageType
 from dbus_fast.aio import MessageBus
 
-from uapplace.client import user_bus_address
+from uapplace.client import bus_daemon_message, user_bus_address
 from uapplace.paths import BUS_NAME, Paths
 from uapplace.units import UnitManager
 
@@ -201,14 +201,7 @@ async def _reload_bus(report: InstallReport) -> None:
         async with asyncio.timeout(RELOAD_TIMEOUT_S):
             bus = await MessageBus(bus_address=user_bus_address()).connect()
             try:
-                reply = await bus.call(
-                    Message(
-                        destination="org.freedesktop.DBus",
-                        path="/org/freedesktop/DBus",
-                        interface="org.freedesktop.DBus",
-                        member="ReloadConfig",
-                    )
-                )
+                reply = await bus.call(bus_daemon_message("ReloadConfig"))
             finally:
                 bus.disconnect()
         if reply is not None and reply.message_type is not MessageType.ERROR:

@@ -26,6 +26,7 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusFastError
 
+from uapplace.client import bus_daemon_message
 from uapplace.errors import PlacementFailure
 from uapplace.model import (
     Option,
@@ -364,7 +365,7 @@ class Notifier:
         try:
             self._owner = await self._name_owner(bus)
             if self._owner is None:
-                (names,) = await self._call(bus, _bus_call("ListActivatableNames"))
+                (names,) = await self._call(bus, bus_daemon_message("ListActivatableNames"))
                 self._activatable = NOTIFICATIONS_NAME in names
             if self.available:
                 await self._read_capabilities(bus)
@@ -376,7 +377,8 @@ class Notifier:
 
     async def _name_owner(self, bus: MessageBus) -> str | None:
         try:
-            (owner,) = await self._call(bus, _bus_call("GetNameOwner", "s", [NOTIFICATIONS_NAME]))
+            get_owner = bus_daemon_message("GetNameOwner", "s", [NOTIFICATIONS_NAME])
+            (owner,) = await self._call(bus, get_owner)
         except _CallFailed as err:
             if err.gone:
                 return None
@@ -422,7 +424,7 @@ class Notifier:
         bus.add_message_handler(self._on_message)
         try:
             for rule in _match_rules():
-                await self._call(bus, _bus_call("AddMatch", "s", [rule]))
+                await self._call(bus, bus_daemon_message("AddMatch", "s", [rule]))
         except _CallFailed as err:
             log.debug("session bus %s: %s", self.address, err)
             bus.disconnect()
@@ -579,17 +581,6 @@ def _match_rules() -> tuple[str, ...]:
         f"member='NameOwnerChanged',arg0='{NOTIFICATIONS_NAME}'",
         f"type='signal',sender='{NOTIFICATIONS_NAME}',interface='{NOTIFICATIONS_INTERFACE}',"
         f"path='{NOTIFICATIONS_PATH}'",
-    )
-
-
-def _bus_call(member: str, signature: str = "", body: list[Any] | None = None) -> Message:
-    return Message(
-        destination=BUS_DAEMON,
-        path="/org/freedesktop/DBus",
-        interface=BUS_DAEMON,
-        member=member,
-        signature=signature,
-        body=body or [],
     )
 
 

@@ -82,10 +82,10 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 from aiohttp import web
-from dbus_fast import Message, MessageType
+from dbus_fast import MessageType
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from uapplace.client import PlacementClient, PlacementError, user_bus_address
+from uapplace.client import PlacementClient, PlacementError, bus_daemon_message, user_bus_address
 from uapplace.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from uapplace.metrics import ShimMetrics
 from uapplace.model import DEFAULT_CELLS
@@ -525,14 +525,7 @@ class BusGateway:
     @staticmethod
     async def _owner_pid(client: PlacementClient) -> int:
         reply = await client.bus.call(
-            Message(
-                destination="org.freedesktop.DBus",
-                path="/org/freedesktop/DBus",
-                interface="org.freedesktop.DBus",
-                member="GetConnectionUnixProcessID",
-                signature="s",
-                body=[BUS_NAME],
-            )
+            bus_daemon_message("GetConnectionUnixProcessID", "s", [BUS_NAME])
         )
         if reply is None or reply.message_type is not MessageType.METHOD_RETURN:
             raise DaemonUnavailable(f"no pid for {BUS_NAME}: {reply.body if reply else 'no reply'}")
