@@ -19,11 +19,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from tests.bus.conftest import DaemonProcess, UapEnv, start_daemon, wait_until
+from uapplace.paths import BUS_NAME
 
 STARTUP_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0
@@ -160,3 +164,24 @@ def request(
         return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, raw)
     finally:
         connection.close()
+
+
+def seeded_daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
+    """A module's daemon on a ledger with ``alpha`` resident, yielded once fully wired."""
+    uap_env.seed_ledger(SEEDED_LEDGER)
+    started = start_daemon(uap_env)
+    # It logs this once every collaborator is wired: before, writes say "not implemented yet".
+    wait_until(lambda: f"owns {BUS_NAME}" in started.log(), "uapplaced to finish wiring")
+    try:
+        yield started
+    finally:
+        assert started.stop() == 0, started.log()
+
+
+def running_shim(uap_env: UapEnv) -> Iterator[ShimProcess]:
+    """The real ``uapplace-shim`` on the module's bus, stopped cleanly afterwards."""
+    started = start_shim(uap_env.env, uap_env.bus_address, uap_env.root)
+    try:
+        yield started
+    finally:
+        assert started.stop() == 0, started.log()

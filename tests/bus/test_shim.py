@@ -21,8 +21,15 @@ import pytest
 
 from tests.bus.conftest import DaemonProcess, UapEnv, call_json, make_env, start_daemon, wait_until
 from tests.bus.dbusmock_fixtures import private_bus
-from tests.bus.shim_fixtures import SEEDED_LEDGER, Reply, ShimProcess, request, start_shim
-from uapplace.paths import BUS_NAME
+from tests.bus.shim_fixtures import (
+    SEEDED_LEDGER,
+    Reply,
+    ShimProcess,
+    request,
+    running_shim,
+    seeded_daemon,
+    start_shim,
+)
 
 pytestmark = pytest.mark.bus
 
@@ -36,24 +43,12 @@ TARGET_ID = re.compile(r"^[A-Za-z0-9_.\-]+:\S+$")
 
 @pytest.fixture(scope="module")
 def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
-    """This module's daemon, started on a ledger with ``alpha`` resident."""
-    uap_env.seed_ledger(SEEDED_LEDGER)
-    started = start_daemon(uap_env)
-    # It logs this once every collaborator is wired: before, writes say "not implemented yet".
-    wait_until(lambda: f"owns {BUS_NAME}" in started.log(), "uapplaced to finish wiring")
-    try:
-        yield started
-    finally:
-        assert started.stop() == 0, started.log()
+    yield from seeded_daemon(uap_env)
 
 
 @pytest.fixture(scope="module")
 def shim(uap_env: UapEnv, daemon: DaemonProcess) -> Iterator[ShimProcess]:
-    started = start_shim(uap_env.env, uap_env.bus_address, uap_env.root)
-    try:
-        yield started
-    finally:
-        assert started.stop() == 0, started.log()
+    yield from running_shim(uap_env)
 
 
 def admit(shim: ShimProcess, body: Any) -> Reply:

@@ -27,9 +27,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.bus.conftest import DaemonProcess, UapEnv, call_json, start_daemon, wait_until
-from tests.bus.shim_fixtures import SEEDED_LEDGER, ShimProcess, request, start_shim
-from uapplace.paths import BUS_NAME
+from tests.bus.conftest import DaemonProcess, UapEnv, call_json
+from tests.bus.shim_fixtures import (
+    ShimProcess,
+    request,
+    running_shim,
+    seeded_daemon,
+)
 
 pytestmark = pytest.mark.bus
 
@@ -64,23 +68,12 @@ junk_json = st.recursive(
 
 @pytest.fixture(scope="module")
 def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
-    uap_env.seed_ledger(SEEDED_LEDGER)
-    started = start_daemon(uap_env)
-    # It logs this once every collaborator is wired: before, writes say "not implemented yet".
-    wait_until(lambda: f"owns {BUS_NAME}" in started.log(), "uapplaced to finish wiring")
-    try:
-        yield started
-    finally:
-        assert started.stop() == 0, started.log()
+    yield from seeded_daemon(uap_env)
 
 
 @pytest.fixture(scope="module")
 def shim(uap_env: UapEnv, daemon: DaemonProcess) -> Iterator[ShimProcess]:
-    started = start_shim(uap_env.env, uap_env.bus_address, uap_env.root)
-    try:
-        yield started
-    finally:
-        assert started.stop() == 0, started.log()
+    yield from running_shim(uap_env)
 
 
 # --------------------------------------------------------------------------- schema → strategy
