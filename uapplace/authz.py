@@ -61,6 +61,8 @@ class Action(StrEnum):
     ALLOW_DISPLACE = "org.uap.placement.allow-displace"
     ALLOW_UNLOAD = "org.uap.placement.allow-unload"
     """Add names to the idle-unload allowlist, or change the idle time it acts on."""
+    ACKNOWLEDGE = "org.uap.placement.acknowledge"
+    """Mark alerts as seen (they leave ``GetState`` and the status banner)."""
 
 
 def auto_policy_actions(changes: Mapping[str, Any]) -> frozenset[Action]:

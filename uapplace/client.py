@@ -163,3 +163,7 @@ class PlacementClient:
 
     async def release(self, cookie: int) -> None:
         await self.call("Release", "u", [cookie])
+
+    async def acknowledge_alerts(self, alert_ids: list[str]) -> list[str]:
+        (gone,) = await self.call("AcknowledgeAlerts", "as", [alert_ids])
+        return list(gone)

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from uapplace import __version__
 from uapplace.admission import Admission
+from uapplace.alerts import Alert, AlertBoard, AlertKind, Severity
 from uapplace.capacity import CapacityPolicy, Finding, has_errors, load_policy
 from uapplace.capacity import validate as validate_capacity
 from uapplace.devices import Probe, make_probe
@@ -140,6 +141,8 @@ class ControllerEvents(Protocol):
 
     def on_residents(self, rows: list[ResidentRow]) -> None: ...
 
+    def on_alert(self, alert: Alert) -> None: ...
+
 
 class _NoEvents:
     def on_parked(self, entry: PendingEntry) -> None:
@@ -158,6 +161,9 @@ class _NoEvents:
         pass
 
     def on_residents(self, rows: list[ResidentRow]) -> None:
+        pass
+
+    def on_alert(self, alert: Alert) -> None:
         pass
 
 
@@ -197,6 +203,10 @@ class NotifierLike(Protocol):
     async def parked(self, entry: PendingEntry, plan: Plan, clients: Sequence[str]) -> None: ...
 
     async def resolved(self, placement_id: str, outcome: str) -> None: ...
+
+    async def alert(self, alert: Alert) -> None:
+        """A critical (or warning) desktop notification for an alert."""
+        ...
 
 
 class AuthorizerLike(Protocol):
@@ -317,6 +327,7 @@ class Controller:
         self.usage: dict[str, float] = {}
         self.cooldowns: dict[str, float] = {}
         self.holds: dict[int, BusHold] = {}
+        self.alerts = AlertBoard(clock)
         self.version = __version__
         self.events: ControllerEvents = _NoEvents()
         # Collaborators wired by the daemon (or by later issues); None until then.
@@ -394,6 +405,7 @@ class Controller:
         self.admission.set_residents(self.residents)
         self.usage = dict(doc.usage)
         self.cooldowns = {m: until for m, until in doc.cooldowns.items() if until > now}
+        self.alerts.restore(doc.alerts)
         dropped = self.admission.restore(doc.pending, now)
         kept = len(self.admission.pending)
         log.info(
@@ -511,6 +523,7 @@ class Controller:
         out["daemon"] = True
         out["daemon_version"] = self.version
         out["holds"] = [h.to_json() for h in self.holds.values()]
+        out["alerts"] = [a.to_json() for a in self.alerts.active()]
         out["registry"] = {
             "repo": str(self.load.repo_path),
             "local": str(self.load.local_path) if self.load.local_path else None,
@@ -777,6 +790,42 @@ class Controller:
         for entry in self.admission.resolved_by(resident):
             self.resolve(entry, "forwarded")
 
+    # ------------------------------------------------------------------ alerts
+
+    def raise_alert(
+        self,
+        kind: AlertKind,
+        severity: Severity,
+        subject: str,
+        message: str,
+        detail: Mapping[str, Any] | None = None,
+    ) -> Alert:
+        """Record an alert (deduped on ``(kind, subject)``), signal it, notify, persist."""
+        alert = self.alerts.raise_(kind, severity, subject, message, detail)
+        log.log(
+            logging.ERROR if severity is Severity.CRITICAL else logging.WARNING,
+            "alert %s [%s] %s: %s",
+            alert.id,
+            kind.value,
+            subject,
+            message,
+        )
+        self.events.on_alert(alert)
+        if self.notifier is not None and severity is not Severity.INFO:
+            self._spawn(self.notifier.alert(alert), f"alert-{alert.id}")
+        self.mark_dirty()
+        return alert
+
+    def acknowledge_alerts(self, ids: Sequence[str]) -> list[str]:
+        """Drop the named alerts (all when ``ids`` is empty); unknown ids are ``NotFound``."""
+        unknown = [i for i in ids if i not in {a.id for a in self.alerts.active()}]
+        if unknown:
+            raise NotFound(f"no open alert {', '.join(unknown)} (see `uapplace status`)")
+        gone = self.alerts.acknowledge(ids)
+        if gone:
+            self.mark_dirty()
+        return gone
+
     # ------------------------------------------------------------------ persistence
 
     def mark_dirty(self, urgent: bool = True) -> None:
@@ -819,6 +868,7 @@ class Controller:
             pending=self.pending_entries(),
             usage=dict(self.usage),
             cooldowns=dict(self.cooldowns),
+            alerts=self.alerts.active(),
         )
 
     def _write(self, snapshot: LedgerDoc) -> None:
@@ -831,6 +881,7 @@ class Controller:
             doc.pending = snapshot.pending
             doc.usage = snapshot.usage
             doc.cooldowns = snapshot.cooldowns
+            doc.alerts = snapshot.alerts
 
         self.ledger.update(commit)
         if self.ledger.last_error:

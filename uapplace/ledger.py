@@ -42,6 +42,7 @@ from pydantic import (
     ValidationError,
 )
 
+from uapplace.alerts import Alert, AlertKind, Severity
 from uapplace.model import (
     DEFAULT_CELLS,
     DeviceKind,
@@ -186,6 +187,8 @@ class LedgerDoc:
     """Model → POSIX seconds of the last gated forward (spec §4.4.2)."""
     cooldowns: dict[str, float] = field(default_factory=dict)
     """Model → POSIX seconds until which auto-load / idle-unload leave it alone."""
+    alerts: list[Alert] = field(default_factory=list)
+    """Open alerts (:mod:`uapplace.alerts`), kept until acknowledged."""
 
 
 class LedgerFormatError(ValueError):
@@ -300,6 +303,18 @@ class _PendingJson(_Strict):
     recommended: int | None = None
 
 
+class _AlertJson(_Strict):
+    id: str
+    kind: AlertKind
+    severity: Severity
+    subject: str
+    message: str
+    raised_at: IsoSeconds
+    updated_at: IsoSeconds
+    count: int = Field(default=1, ge=1)
+    detail: dict[str, Any] = {}
+
+
 class _LedgerJson(_Strict):
     version: Literal[1]
     updated_at: IsoSeconds
@@ -308,6 +323,7 @@ class _LedgerJson(_Strict):
     pending: list[_PendingJson] = []
     usage: dict[str, IsoSeconds] = {}
     cooldowns: dict[str, IsoSeconds] = {}
+    alerts: list[_AlertJson] = []
 
 
 # ----------------------------------------------------------------- to JSON
@@ -375,6 +391,7 @@ def doc_to_json(doc: LedgerDoc) -> dict[str, Any]:
         "pending": [pending_to_json(p) for p in doc.pending],
         "usage": {model: iso(ts) for model, ts in doc.usage.items()},
         "cooldowns": {model: iso(ts) for model, ts in doc.cooldowns.items()},
+        "alerts": [a.to_json() for a in doc.alerts],
     }
 
 
@@ -456,6 +473,20 @@ def _pending(data: _PendingJson) -> PendingEntry:
     )
 
 
+def _alert(data: _AlertJson) -> Alert:
+    return Alert(
+        id=data.id,
+        kind=data.kind,
+        severity=data.severity,
+        subject=data.subject,
+        message=data.message,
+        raised_at=data.raised_at,
+        updated_at=data.updated_at,
+        count=data.count,
+        detail=dict(data.detail),
+    )
+
+
 def _validated(schema: type[_Strict], data: Any) -> Any:
     try:
         return schema.model_validate(data)
@@ -488,6 +519,7 @@ def doc_from_json(data: Any) -> LedgerDoc:
         pending=[_pending(p) for p in parsed.pending],
         usage=dict(parsed.usage),
         cooldowns=dict(parsed.cooldowns),
+        alerts=[_alert(a) for a in parsed.alerts],
     )
 
 

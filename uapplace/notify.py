@@ -26,6 +26,7 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusFastError
 
+from uapplace.alerts import Alert, Severity
 from uapplace.client import bus_daemon_message
 from uapplace.errors import PlacementFailure
 from uapplace.model import (
@@ -344,6 +345,31 @@ class Notifier:
             del self._bubbles[bubble.model]
             if bubble.notification_id and self.available:
                 await self._close(bubble.notification_id)
+
+    async def alert(self, alert: Alert) -> None:
+        """An alert as its own bubble: critical urgency stays until the user closes it."""
+        critical = alert.severity is Severity.CRITICAL
+        await self.message(
+            f"uapplace: {alert.kind.value.replace('_', ' ')}",
+            f"{alert.subject}: {alert.message}\n(acknowledge with `uapplace status --ack`)",
+            critical=critical,
+        )
+
+    async def message(self, summary: str, body: str, *, critical: bool = False) -> None:
+        """A plain bubble without actions (an alert, a refused click)."""
+        async with self._lock:
+            if not await self._ready() or self._bus is None:
+                return
+            hints = {"urgency": Variant("y", URGENCY_CRITICAL if critical else URGENCY_NORMAL)}
+            message = _notifications_call(
+                "Notify",
+                "susssasa{sv}i",
+                [APP_NAME, 0, "", summary, body, [], hints, 0 if critical else -1],
+            )
+            try:
+                await self._call_with_sender(self._bus, message)
+            except _CallFailed as err:
+                self._call_failed("Notify", err)
 
     # ----------------------------------------------------------------- daemon presence
 

@@ -40,6 +40,7 @@ from dbus_fast.service import dbus_signal as _dbus_signal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from uapplace import __version__
+from uapplace.alerts import Alert
 from uapplace.authz import Action, auto_policy_actions
 from uapplace.controller import Controller, ResidentRow, VictimRef
 from uapplace.errors import ERROR_PREFIX, InvalidArgument, PlacementFailure
@@ -55,6 +56,7 @@ ResidentsOut = Annotated[list[tuple[str, str, str, str]], DBusSignature("a(ssss)
 StringList = Annotated[list[str], DBusSignature("as")]
 FourStrings = Annotated[tuple[str, str, str, str], DBusSignature("ssss")]
 TwoStrings = Annotated[tuple[str, str], DBusSignature("ss")]
+FiveStrings = Annotated[tuple[str, str, str, str, str], DBusSignature("sssss")]
 StepOut = Annotated[tuple[str, str, bool, str], DBusSignature("ssbs")]
 
 _CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("uapplace_caller", default="")
@@ -76,12 +78,14 @@ _OUT_NAMES: dict[str, tuple[str, ...]] = {
     "GetAutoPolicy": ("policy_json",),
     "SetAutoPolicy": ("policy_json",),
     "Hold": ("cookie",),
+    "AcknowledgeAlerts": ("acknowledged",),
 }
 _SIGNAL_ARG_NAMES: dict[str, tuple[str, ...]] = {
     "Parked": ("placement_id", "model", "client", "reason"),
     "Resolved": ("placement_id", "outcome"),
     "ResidentChanged": ("model", "config", "device", "state"),
     "EnforcementStep": ("run_id", "step", "ok", "detail"),
+    "AlertRaised": ("alert_id", "kind", "severity", "subject", "message"),
 }
 _PROPERTY_ANNOTATIONS: dict[str, dict[str, str]] = {
     "Version": {"org.freedesktop.DBus.Property.EmitsChangedSignal": "const"},
@@ -295,6 +299,14 @@ class PlacementInterface(ServiceInterface):
 
         await self._guard(run())
 
+    @dbus_method()
+    async def AcknowledgeAlerts(self, alert_ids: StringList) -> StringList:
+        async def run() -> list[str]:
+            await self._authorize(Action.ACKNOWLEDGE)
+            return self._controller.acknowledge_alerts(list(alert_ids))
+
+        return await self._guard(run())
+
     # ------------------------------------------------------------- signals
 
     @_dbus_signal()
@@ -312,6 +324,12 @@ class PlacementInterface(ServiceInterface):
     @_dbus_signal()
     def EnforcementStep(self, run_id: str, step: str, ok: bool, detail: str) -> StepOut:
         return (run_id, step, ok, detail)
+
+    @_dbus_signal()
+    def AlertRaised(
+        self, alert_id: str, kind: str, severity: str, subject: str, message: str
+    ) -> FiveStrings:
+        return (alert_id, kind, severity, subject, message)
 
     # ------------------------------------------------------------- properties
 
@@ -340,6 +358,11 @@ class PlacementInterface(ServiceInterface):
 
     def on_enforcement_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
         self.EnforcementStep(run_id, step, ok, detail)
+
+    def on_alert(self, alert: Alert) -> None:
+        self.AlertRaised(
+            alert.id, alert.kind.value, alert.severity.value, alert.subject, alert.message
+        )
 
     def on_pending_count(self, count: int) -> None:
         self.emit_properties_changed({"PendingCount": count})

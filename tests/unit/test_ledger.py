@@ -161,6 +161,7 @@ def test_json_is_the_spec_document() -> None:
         "pending",
         "usage",
         "cooldowns",
+        "alerts",
     ]
     assert data["version"] == 1
     assert data["updated_at"] == "2026-10-08T14:02:11Z"
@@ -436,3 +437,15 @@ def test_readers_never_see_a_partial_file(tmp_path: Path) -> None:
     assert writer.exitcode == 0
     assert ledger.read().usage["total"] == 200.0
     assert not list(tmp_path.glob("*.corrupt-*"))
+
+
+def test_alerts_round_trip_through_the_ledger() -> None:
+    from uapplace.alerts import AlertBoard, AlertKind, Severity
+
+    board = AlertBoard(lambda: T0)
+    board.raise_(AlertKind.ROLLBACK_INCOMPLETE, Severity.CRITICAL, "gpu0", "empty", {"run": "r1"})
+    doc = full_doc()
+    doc.alerts = board.active()
+    back = doc_from_json(json.loads(json.dumps(doc_to_json(doc))))
+    assert back.alerts == doc.alerts
+    assert back.alerts[0].detail == {"run": "r1"}
