@@ -36,6 +36,7 @@ from dbus_fast.annotations import DBusSignature, DBusStr, DBusUInt32
 from dbus_fast.service import ServiceInterface, dbus_method
 
 from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
+from uapplace.registry import local_measurements
 from uapplace.sim.gpu import SimGpu, sim_uuid
 
 ECHO_NAME = "org.uap.BenchEcho"
@@ -220,6 +221,8 @@ def daemon_env(directory: Path, address: str) -> dict[str, str]:
     config.mkdir()
     home.mkdir()
     (config / "model-registry.json").write_text(json.dumps(REGISTRY))
+    # Measured figures count only from the machine-local file (spec §4.1).
+    (home / "model-registry.json").write_text(json.dumps(local_measurements(REGISTRY)))
     (config / "capacity-policy.json").write_text(json.dumps({"services": []}))
     (home / "placement.json").write_text(json.dumps(LEDGER))
     SimGpu(directory / "sim.json").create([("bench GPU", 24576)])

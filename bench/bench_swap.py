@@ -155,7 +155,8 @@ async def over_the_bus(stack: AsyncExitStack, box: Sandbox) -> Enforcement:
                 await asyncio.sleep(0.02)
 
     async def apply(placement_id: str, victims: list[dict[str, str]]) -> dict[str, Any]:
-        result: dict[str, Any] = await client.apply(placement_id, 1, victims)
+        expected = [f"{v['model']}/{v['config']}" for v in victims]
+        result: dict[str, Any] = await client.apply(placement_id, 1, expected)
         return result
 
     async def residents() -> list[tuple[str, str]]:

@@ -12,18 +12,47 @@ Decision table, in order:
 condition                                              answer
 =====================================================  ===================================
 empty model id (a bus caller; the shim answers 400)    park ``invalid_request``, no entry
-a resident that can serve the id                       forward ``<device>:<endpoint>``
+a ``hot`` resident that serves the id                 forward ``<device>:<endpoint>``
 a live pending entry for ``(client, model)``           park, same id, the entry's reason
+                                                       (``warming`` while only a warming
+                                                       resident serves the id)
+only a ``warming`` resident serves the id              park ``warming``
 id not in the registry                                 park ``unknown_model``
 no measured config it could load                       park ``no_measured_config``
 otherwise                                              park ``not_resident``
 =====================================================  ===================================
 
-"Can serve" deviates from CONTRACT.md's wording ("not ``draining``") in one
-way: a ``paused`` resident does not serve either. Its weights are offloaded,
-so forwarding to it would send a request to an engine that cannot answer; it
-parks ``not_resident`` like any unloaded model. A ``warming`` resident does
-forward: the proxy's retry reaches it once it is up.
+"Can serve" is narrower than CONTRACT.md's wording ("not ``draining``"): only a
+``hot`` resident serves (DESIGN §5a invariant 2, publication). ``hot`` is set
+only by a verify-up that passed in this daemon's life (health 200, the id in
+``/v1/models``, ``metricsMustMatch``): by an enforcement run or by the unit sync
+(:mod:`uapplace.unitsync`). A ``warming`` resident (loading, restored from the
+ledger, found running at start-up or started by hand, or serving a wrong id) is
+never forwarded to: an admit for an id only a warming resident serves parks with
+reason ``warming`` (the proxy's retry forwards once it is published). A
+``paused`` resident has its weights offloaded, so it parks ``not_resident`` like
+any unloaded model; a ``draining`` one refuses new work.
+
+**Bounded state.** Every admit that parks a new ``(client, model)`` pair creates an
+entry, so a flood of distinct pairs must not grow memory (or the ledger) without end:
+
+- ``client`` and ``session`` are cut to 128 characters (CONTRACT.md §1) here, on every
+  path (bus, peer socket, shim). A model id over 1,024 characters that the registry
+  does not name parks ``invalid_request`` with no entry, like an empty one (the shim
+  answers 400 for both; its 10 KiB body bound is the same kind of limit).
+- At most 32 pending entries per client and 1,024 in all. Over a cap, the admit still
+  parks with a new entry and its true reason (the only answers the contract lets a
+  proxy act on are forward and a park with a valid ``plc-`` id; a park without an id,
+  or a 429, makes the proxy fall back to its read-only mode and answer
+  ``no_controller``, which would be false). Room is made by expiring early the oldest
+  entry of that client (first cap) or the oldest entry overall (second cap): the
+  newest request is the one a human or a retrying client is waiting on, and a client
+  whose entry was pushed out gets a fresh one on its next retry (the proxy retries
+  every 2 s). The controller takes the pushed-out entries with :meth:`take_evicted`
+  and resolves them ``expired``. A flood therefore churns through the oldest entries;
+  it cannot grow state, and the other clients' entries survive a single client's flood.
+- Expired, resolved and pushed-out entries leave every index (:meth:`_drop`), so the
+  memory is released, not just hidden.
 
 An id is served when it is the resident's model key, its config key or one of
 its model's advertised ids. "No measured config" looks at the config a config
@@ -51,10 +80,15 @@ from uapplace.model import (
 
 DEFAULT_TTL_SECONDS = 120.0
 MAX_IDENTITY_CHARS = 128
+MAX_MODEL_ID_CHARS = 1024
+"""Longer model ids park ``invalid_request`` with no entry unless the registry names them
+(the shim answers 400 for them, as for a missing id)."""
+MAX_PENDING_PER_CLIENT = 32
+MAX_PENDING = 1024
 PLACEMENT_ID = re.compile(r"^plc-[0-9a-f]{6}$")
 _ID_ATTEMPTS = 64
-_STATE_PREFERENCE = {ResidentState.HOT: 0, ResidentState.WARMING: 1}
-"""When two residents serve one id, a hot one wins over a warming one."""
+_SERVING_STATES = frozenset({ResidentState.HOT})
+"""Only a resident that passed verify-up in this daemon's life is forwarded to."""
 
 
 def new_placement_id() -> str:
@@ -63,8 +97,8 @@ def new_placement_id() -> str:
 
 
 def can_serve(resident: Resident) -> bool:
-    """Draining residents refuse new work; paused ones have no weights loaded."""
-    return resident.state in _STATE_PREFERENCE
+    """Only ``hot`` serves: verified in this daemon's life (see the module doc)."""
+    return resident.state in _SERVING_STATES
 
 
 def served_ids(registry: Registry, resident: Resident) -> tuple[str, ...]:
@@ -95,8 +129,15 @@ class Admission:
         self._park_reasons: dict[str, ParkReason] = {}
         """Why each registry id parks when nothing serves it, precomputed."""
         self._serving: dict[str, Resident] = {}
+        self._warming: frozenset[str] = frozenset()
+        """Ids that only a ``warming`` resident serves: they park ``warming``."""
         self._pending: dict[str, PendingEntry] = {}
+        """Insertion order is creation order (a replace keeps the slot): oldest first."""
         self._by_key: dict[tuple[str, str], str] = {}
+        self._by_client: dict[str, dict[str, None]] = {}
+        """Client → its entry ids, oldest first (a dict used as an ordered set)."""
+        self._evicted: list[PendingEntry] = []
+        """Entries pushed out by the caps, until :meth:`take_evicted` hands them over."""
         self._index_registry()
 
     # ----------------------------------------------------------------- inputs
@@ -131,14 +172,28 @@ class Admission:
 
     def _index_residents(self) -> None:
         serving: dict[str, Resident] = {}
-        ranked = sorted(
-            (r for r in self._residents if can_serve(r)),
-            key=lambda r: (_STATE_PREFERENCE[r.state], r.device),
-        )
-        for resident in ranked:
-            for model_id in served_ids(self._registry, resident):
-                serving.setdefault(model_id, resident)
+        warming: set[str] = set()
+        for resident in sorted(self._residents, key=lambda r: r.device):
+            ids = served_ids(self._registry, resident)
+            if can_serve(resident):
+                for model_id in ids:
+                    serving.setdefault(model_id, resident)
+            elif resident.state is ResidentState.WARMING:
+                warming.update(ids)
         self._serving = serving
+        self._warming = frozenset(warming - serving.keys())
+        self._refresh_warming_reasons()
+
+    def _refresh_warming_reasons(self) -> None:
+        """Pending entries say ``warming`` exactly while only a warming resident serves
+        their id (``not_resident`` again when it goes away unpublished)."""
+        for entry in list(self._pending.values()):
+            requested = entry.requested_model
+            if entry.reason is ParkReason.WARMING and requested not in self._warming:
+                fallback = self._park_reasons.get(requested, ParkReason.UNKNOWN_MODEL)
+                self._pending[entry.id] = replace(entry, reason=fallback)
+            elif entry.reason is ParkReason.NOT_RESIDENT and requested in self._warming:
+                self._pending[entry.id] = replace(entry, reason=ParkReason.WARMING)
 
     # ----------------------------------------------------------------- the decision
 
@@ -151,9 +206,14 @@ class Admission:
         resident = self._serving.get(model)
         if resident is not None:
             return Decision("forward", target_id=resident.target_id), None
+        if self._too_long(model):
+            return Decision("park", reason=ParkReason.INVALID_REQUEST.value), None
         client = client[:MAX_IDENTITY_CHARS]
         known = self._live_entry(client, model, now)
         if known is not None:
+            if model in self._warming and known.reason is not ParkReason.WARMING:
+                known = replace(known, reason=ParkReason.WARMING)
+                self._pending[known.id] = known
             return _park(known), None
         entry = PendingEntry(
             id=self._fresh_id(),
@@ -165,10 +225,34 @@ class Admission:
             reason=self._park_reason(model),
             cells=cells if cells is not None and cells > 0 else DEFAULT_CELLS,
         )
+        self._evicted.extend(self._make_room(client))
         self._store(entry)
         return _park(entry), entry
 
+    def _make_room(self, client: str) -> list[PendingEntry]:
+        """Drop the oldest entries so one more for ``client`` stays within both caps."""
+        gone: list[PendingEntry] = []
+        own = self._by_client.get(client)
+        while own and len(own) >= MAX_PENDING_PER_CLIENT:
+            dropped = self._drop(next(iter(own)))
+            gone += [dropped] if dropped is not None else []
+            own = self._by_client.get(client)
+        while len(self._pending) >= MAX_PENDING:
+            dropped = self._drop(next(iter(self._pending)))
+            gone += [dropped] if dropped is not None else []
+        return gone
+
+    def take_evicted(self) -> list[PendingEntry]:
+        """The entries the caps pushed out since the last call (the caller says ``expired``)."""
+        gone, self._evicted = self._evicted, []
+        return gone
+
+    def _too_long(self, model: str) -> bool:
+        return len(model) > MAX_MODEL_ID_CHARS and model not in self._park_reasons
+
     def _park_reason(self, model: str) -> ParkReason:
+        if model in self._warming:
+            return ParkReason.WARMING
         return self._park_reasons.get(model, ParkReason.UNKNOWN_MODEL)
 
     def _live_entry(self, client: str, model: str, now: float) -> PendingEntry | None:
@@ -238,7 +322,7 @@ class Admission:
         dropped: list[PendingEntry] = []
         for raw in sorted(entries, key=lambda e: e.expires_at):
             entry = _truncated(raw)
-            if entry.expired(now):
+            if entry.expired(now) or self._too_long(entry.requested_model):
                 dropped.append(raw)
                 continue
             earlier = self._by_key.get((entry.client, entry.requested_model))
@@ -249,6 +333,7 @@ class Admission:
             clash = self._drop(entry.id)
             if clash is not None:
                 dropped.append(clash)
+            dropped += self._make_room(entry.client)
             self._store(entry)
         return dropped
 
@@ -262,6 +347,7 @@ class Admission:
     def _store(self, entry: PendingEntry) -> None:
         self._pending[entry.id] = entry
         self._by_key[(entry.client, entry.requested_model)] = entry.id
+        self._by_client.setdefault(entry.client, {})[entry.id] = None
 
     def _drop(self, placement_id: str) -> PendingEntry | None:
         entry = self._pending.pop(placement_id, None)
@@ -269,6 +355,11 @@ class Admission:
             key = (entry.client, entry.requested_model)
             if self._by_key.get(key) == placement_id:
                 del self._by_key[key]
+            own = self._by_client.get(entry.client)
+            if own is not None:
+                own.pop(placement_id, None)
+                if not own:
+                    del self._by_client[entry.client]  # no empty dicts left behind
         return entry
 
 

@@ -41,6 +41,8 @@ class AlertKind(StrEnum):
     """The ledger named a resident whose unit is unknown or not running."""
     WRONG_MODEL = "wrong_model"
     """An engine answers but does not serve the id it was started for: never published."""
+    PROBE_MISMATCH = "probe_mismatch"
+    """At a reconcile, device memory is held by processes that belong to no resident's unit."""
     TOKEN_MISMATCH = "token_mismatch"
     """The proxy answered 401 to our token on its internal routes."""
     CONFIG_ERROR = "config_error"

@@ -63,6 +63,11 @@ class Action(StrEnum):
     """Add names to the idle-unload allowlist, or change the idle time it acts on."""
     ACKNOWLEDGE = "org.uap.placement.acknowledge"
     """Mark alerts as seen (they leave ``GetState`` and the status banner)."""
+    RELEASE_OTHERS = "org.uap.placement.release-others"
+    """End a hold another bus connection took (its holder ends its own without asking).
+
+    Only polkit can grant it (:meth:`Authorizer.check_polkit`): being the same
+    user is not enough, since every client of the user bus is the same user."""
 
 
 def auto_policy_actions(changes: Mapping[str, Any]) -> frozenset[Action]:
@@ -192,6 +197,19 @@ class Authorizer:
         if system_bus is None:
             same_uid_decision(caller.uid, self.own_uid, action)
             return
+        await self._ask_polkit(system_bus, caller, action)
+
+    async def check_polkit(self, sender: str, action: Action) -> None:
+        """Like :meth:`check`, but with no same-uid fallback: without polkit it is a no.
+
+        For actions that act on another connection's state (``RELEASE_OTHERS``),
+        where every caller on the user bus would pass the uid rule."""
+        caller = await self.caller(sender, action)
+        system_bus = await self._polkit_bus()
+        if system_bus is None:
+            raise NotAuthorized(
+                action, "only polkit can grant this, and no polkit is reachable to ask"
+            )
         await self._ask_polkit(system_bus, caller, action)
 
     async def check_all(self, sender: str, actions: Iterable[Action]) -> None:

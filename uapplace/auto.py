@@ -32,18 +32,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError
 
+from uapplace import jsonfile
 from uapplace.errors import Failed, InvalidArgument
-from uapplace.ledger import atomic_write
+from uapplace.jsonfile import ConfigFileError, atomic_write
 from uapplace.model import (
     Option,
     OptionKind,
@@ -80,9 +79,15 @@ CHANGE_KEYS = frozenset(
     }
 )
 NEVER_AUTO = frozenset(
-    {ParkReason.UNKNOWN_MODEL, ParkReason.NO_MEASURED_CONFIG, ParkReason.INVALID_REQUEST}
+    {
+        ParkReason.UNKNOWN_MODEL,
+        ParkReason.NO_MEASURED_CONFIG,
+        ParkReason.INVALID_REQUEST,
+        ParkReason.WARMING,
+    }
 )
-"""Parks with nothing to enforce: their reason always stands."""
+"""Parks with nothing to enforce: their reason always stands (a ``warming`` resident
+publishes itself once verify-up passes)."""
 _NON_DISPLACING = frozenset({OptionKind.REUSE, OptionKind.LOAD_ALONGSIDE})
 
 _BOOL: TypeAdapter[bool] = TypeAdapter(StrictBool)
@@ -205,15 +210,13 @@ def policy_from_document(document: Mapping[str, Any], source: str) -> tuple[Auto
 def load_policy(path: Path) -> tuple[AutoPolicy, list[str]]:
     """Read the policy file; never raises. Missing → off, no finding; unreadable → off."""
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return AutoPolicy(), []
-    except OSError as err:
-        return AutoPolicy(), [f"{path}: cannot be read ({err.strerror}); auto is off"]
-    try:
-        document = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        return AutoPolicy(), [f"{path}: not valid JSON ({err}); auto is off"]
+        raw = jsonfile.read_capped_or_none(path)
+        if raw is None:
+            return AutoPolicy(), []
+        document = jsonfile.parse_json(raw, path)
+    except ConfigFileError as err:
+        problem = f"{err.json_path}: {err.message}"
+        return AutoPolicy(), [f"{path}: not valid JSON ({problem}); auto is off"]
     if not isinstance(document, dict):
         kind = type(document).__name__
         return AutoPolicy(), [f"{path}: expected a JSON object, got {kind}; auto is off"]
@@ -224,7 +227,7 @@ def save_policy(path: Path, policy: AutoPolicy) -> None:
     """Atomic replace, mode 0600; creates ``$UAP_HOME`` (0700) when it is missing."""
     if not path.parent.is_dir():
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    text = json.dumps(policy.to_file_json(), indent=2) + "\n"
+    text = jsonfile.dumps(policy.to_file_json(), indent=2) + "\n"
     atomic_write(path, text, mode=0o600, sync=True)
 
 
@@ -458,22 +461,14 @@ def _change_text(changes: Mapping[str, Any]) -> str:
 def _unparsable(path: Path) -> bool:
     """The file exists but is not a JSON object: an edit must not silently replace it."""
     try:
-        return not isinstance(json.loads(path.read_bytes().decode("utf-8")), dict)
-    except FileNotFoundError:
-        return False
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raw = jsonfile.read_capped_or_none(path)
+        return raw is not None and not isinstance(jsonfile.parse_json(raw, path), dict)
+    except ConfigFileError:
         return True
 
 
 def _move_aside(path: Path) -> Path:
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    target = path.with_name(f"{path.name}.corrupt-{stamp}")
-    serial = 1
-    while target.exists():
-        target = path.with_name(f"{path.name}.corrupt-{stamp}.{serial}")
-        serial += 1
-    os.rename(path, target)
-    return target
+    return jsonfile.move_aside(path)
 
 
 # --------------------------------------------------------------------------- the runner

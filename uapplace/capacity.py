@@ -34,6 +34,7 @@ from pydantic import (
     ValidationError,
 )
 
+from uapplace import jsonfile
 from uapplace.model import Config, ConfigStatus, Device, DeviceKind, Model, Provenance
 from uapplace.registry import (
     ConfigFileError,
@@ -41,7 +42,6 @@ from uapplace.registry import (
     UnitName,
     combined,
     json_path,
-    read_json,
     unit_file_name,
     valid_unit_name,
     validation_errors,
@@ -93,9 +93,31 @@ class CapacityPolicy:
     path: Path | None = None
 
 
+NO_POLICY_METRIC = "capacity_policy"
+"""The ``metricsMustMatch`` key of :func:`refusing_policy`: no engine exports it."""
+
+
+def refusing_policy(reason: str) -> ServicePolicy:
+    """The service policy in force when no good capacity policy was ever loaded.
+
+    Fail closed, never silently off: every verify-up path (enforcement, rollback,
+    publication of units found running) checks ``metricsMustMatch`` against the engine's
+    ``/metrics``, and this policy wants a metric no engine has, so each refuses with
+    ``reason`` in its message. A policy that loaded once stays in force when its file
+    later breaks (see ``Controller.policy_state``), so this is only the start-up case.
+    """
+    return ServicePolicy(
+        name=f"(none: {reason})",
+        unit=None,
+        metrics_must_match={NO_POLICY_METRIC: "loaded"},
+        exec_start_must_contain=(),
+        gpu_min_free_mib=None,
+    )
+
+
 def load_policy(path: Path) -> CapacityPolicy:
     """Read and check the policy. Raises :class:`ConfigFileError` naming file and path."""
-    raw = read_json(path)
+    raw = jsonfile.read_json(path)
     try:
         doc = _PolicyDoc.model_validate(raw)
     except ValidationError as exc:
@@ -230,7 +252,32 @@ def validate(load: RegistryLoad, policy: CapacityPolicy | None) -> list[Finding]
         for config in model.configs.values():
             findings.extend(_config_rules(check, model, config))
     findings.extend(_policy_rules(check))
+    findings.extend(_trust_rules(check))
     return list(dict.fromkeys(findings))
+
+
+def _trust_rules(check: _Checker) -> Iterator[Finding]:
+    """Whether each config's figures count on this machine (spec §4.1).
+
+    A config measured only in the repo file is a warning: legal, descriptive, and placed
+    as unmeasured until ``uapplace measure`` records it locally. A local measurement
+    taken on another device (``measured_device``) or another engine build is an error:
+    the machine-local file says something false about this machine.
+    """
+    for err in check.load.device_mismatches:
+        yield Finding("error", str(err.file), err.json_path, err.message)
+    for model in check.load.registry.models.values():
+        for config in model.configs.values():
+            if config.status is not ConfigStatus.MEASURED or not config.untrusted:
+                continue
+            if config.provenance == "repo":
+                entry = json_path(("models", model.key, "configs", config.key))
+                message = f"{config.untrusted}; it is treated as unmeasured (no_measured_config)"
+                yield Finding("warning", str(check.load.repo_path), entry, message)
+            elif config.engine_build is not None and config.engine_build != model.engine_build:
+                yield check.config_finding(
+                    "error", model, config, "engine_build", config.untrusted
+                )
 
 
 def _load_error(err: ConfigFileError) -> Finding:

@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 import typer
 from dbus_fast import Message, MessageType
 from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
 from rich.table import Table
 
-from uapplace import __version__
+from uapplace import __version__, textsafe
 from uapplace.client import PlacementClient, PlacementError, bus_daemon_message, user_bus_address
 from uapplace.model import DEFAULT_CELLS, parse_iso
 from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH, Paths
@@ -48,7 +50,7 @@ EXIT_CODES_HELP = """\b
 Exit codes:
   0  ok
   1  refused or failed: validation errors, a failed or rolled-back enforcement,
-     a consent flag or apply without --yes, "not implemented yet"
+     a consent flag, or apply/load/unload that would stop something, without --yes
   2  bad usage or an invalid argument
   3  uapplaced not reachable (status/pending/validate read the files instead;
      writes never fall back)
@@ -96,8 +98,12 @@ app = typer.Typer(
 )
 
 # Piped output (scripts, tests) gets wide lines rather than tables folded at 80 columns.
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# textsafe: client, model and session names come from any Admit caller; every line these
+# consoles print is stripped of escape sequences and control characters.
+out = textsafe.install(
+    Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+)
+err = textsafe.install(Console(stderr=True, highlight=False, soft_wrap=True))
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 
@@ -128,12 +134,33 @@ async def _session(work: Callable[[PlacementClient], Awaitable[T]]) -> T:
         return await work(client)
     except PlacementError as error:
         if error.name in _UNREACHABLE_ERRORS:
+            if await _daemon_on_bus(client):
+                # Up but silent (a timeout, a dropped reply): never call that "not running".
+                raise PlacementError(
+                    "org.uap.Placement1.Error.Failed",
+                    f"uapplaced is running ({BUS_NAME} is owned on {address}) but did not "
+                    f"answer: {error.message}; `uapplace status` shows what it is doing",
+                ) from None
             raise Unreachable(
                 f"uapplaced is not running ({BUS_NAME} has no owner on {address}): {error.message}"
             ) from None
         raise
     finally:
         client.disconnect()
+
+
+async def _daemon_on_bus(client: PlacementClient) -> bool:
+    """Whether org.uap.Placement1 has an owner now (``NameHasOwner``); False if unsure."""
+    if not client.bus.connected:
+        return False
+    try:
+        async with asyncio.timeout(5.0):
+            reply = await client.bus.call(bus_daemon_message("NameHasOwner", "s", [BUS_NAME]))
+    except Exception:  # no answer from the bus itself: unsure, so "not running" stands
+        return False
+    if reply is None or reply.message_type is not MessageType.METHOD_RETURN:
+        return False
+    return bool(reply.body[0])
 
 
 def _call(work: Callable[[PlacementClient], Awaitable[T]]) -> T:
@@ -228,12 +255,31 @@ def _state_or_ledger(as_json: bool) -> dict[str, Any]:
 
 
 @app.command()
-def status(as_json: JsonFlag = False) -> None:
-    """Residents, devices (free / reserved), holders, holds and pending count."""
+def status(
+    ack: Annotated[
+        bool,
+        typer.Option(
+            "--ack", help="Acknowledge the alerts named (all open alerts when none is named)."
+        ),
+    ] = False,
+    alert_ids: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="[ID]...", help="Alert ids to acknowledge (with --ack)."),
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Residents, devices (free / reserved), holders, holds, pending count, and open alerts
+    as a red banner until acknowledged (`uapplace status --ack [ID...]`)."""
+    if alert_ids and not ack:
+        _fail(EXIT_USAGE, "alert ids are only taken with --ack (uapplace status --ack ID...)")
+    if ack:
+        _acknowledge(list(alert_ids or []), as_json)
+        return
     state = _state_or_ledger(as_json)
     if as_json:
         _print_json(state)
         return
+    _alert_banner(state.get("alerts") or [])
     devices = Table(title="Devices", title_justify="left")
     for column in ("device", "kind", "total", "free", "reserved", "source"):
         devices.add_column(column)
@@ -281,6 +327,42 @@ def status(as_json: JsonFlag = False) -> None:
     registry = state.get("registry") or {}
     if registry.get("reload_error"):
         out.print(f"registry reload failed: {registry['reload_error']}", markup=False)
+
+
+def _alert_banner(alerts: list[dict[str, Any]]) -> None:
+    """Open alerts (a rollback that left a device empty, …) in red, above everything else."""
+    if not alerts:
+        return
+    lines = []
+    for alert in alerts:
+        repeated = f", {alert['count']}x" if alert.get("count", 1) > 1 else ""
+        lines.append(
+            f"[bold]{escape(str(alert.get('severity', '')).upper())}[/] "
+            f"{escape(str(alert.get('kind', '')))} {escape(str(alert.get('id', '')))} "
+            f"({escape(str(alert.get('raised_at', '')))}{repeated}): "
+            f"{escape(str(alert.get('subject', '')))}: {escape(str(alert.get('message', '')))}"
+        )
+    lines.append("Acknowledge with `uapplace status --ack [ID...]`.")
+    out.print(
+        Panel(
+            "\n".join(lines),
+            title=f"{len(alerts)} open alert(s)",
+            title_align="left",
+            style="bold red",
+            border_style="red",
+        ),
+        soft_wrap=False,  # wrap inside the box: an alert's message is never cut off
+    )
+
+
+def _acknowledge(alert_ids: list[str], as_json: bool) -> None:
+    gone: list[str] = _call(lambda c: c.acknowledge_alerts(alert_ids))
+    if as_json:
+        _print_json({"acknowledged": gone})
+    elif gone:
+        out.print(f"acknowledged {', '.join(gone)}", markup=False)
+    else:
+        out.print("no open alerts")
 
 
 def _option_line(index: int, option: dict[str, Any], recommended: int | None) -> str:
@@ -352,29 +434,109 @@ def preview(
 # --------------------------------------------------------------------------- apply
 
 
-def _impact_lines(entry: dict[str, Any], option_index: int, option: dict[str, Any]) -> list[str]:
-    target = f"{option['model']}/{option['config']} on {option['device']}"
-    lines = [
-        f"Placement {entry['id']} ({entry['requested_model']} for {entry['client']}): "
-        f"option {option_index} = {option['kind']} {target}, costs {_mib(option.get('cost_mib'))}."
-    ]
-    victims = option.get("victims", [])
-    if not victims:
-        lines.append("It stops nothing.")
-        return lines
-    lines.append("It stops:")
+def _victims_table(victims: list[dict[str, Any]]) -> Table:
+    """The impact of stopping ``victims``: who holds them, work in flight, MiB, consequence."""
+    table = Table(title="It stops", title_justify="left")
+    for column in ("victim", "device", "state", "holders", "in flight", "frees", "consequence"):
+        table.add_column(column)
     for victim in victims:
         holders = ", ".join(f"{h['client']} ({h['kind']})" for h in victim.get("holders", []))
         in_flight = {True: "yes", False: "no", None: "unknown (counts as busy)"}[
             victim.get("in_flight")
         ]
-        lines.append(
-            f"  - {victim['model']}/{victim['config']} on {victim['device']} [{victim['state']}]: "
-            f"holders {holders or 'none'}; in flight {in_flight}; frees "
-            f"{_mib(victim.get('frees_mib'))}; {victim['consequence']}"
+        table.add_row(
+            f"{victim['model']}/{victim['config']}",
+            str(victim.get("device", "")),
+            str(victim.get("state", "")),
+            holders or "none",
+            in_flight,
+            _mib(victim.get("frees_mib")),
+            str(victim.get("consequence", "")),
         )
-    lines.append(f"Frees {_mib(option.get('frees_mib'))} in total.")
-    return lines
+    return table
+
+
+def _show_impact(console: Console, header: str, victims: list[dict[str, Any]], frees: Any) -> None:
+    console.print(header, markup=False)
+    if not victims:
+        console.print("It stops nothing.")
+        return
+    console.print(_victims_table(victims))
+    console.print(f"Frees {_mib(frees)} in total.", markup=False)
+
+
+def _option_header(option: dict[str, Any]) -> str:
+    target = f"{option['model']}/{option['config']} on {option['device']}"
+    return f"{option['kind']} {target}, costs {_mib(option.get('cost_mib'))}"
+
+
+def _consented(stops: bool, yes: bool, as_json: bool, question: str) -> bool:
+    """``--yes``, or a y/N answer on a terminal; nothing to stop needs neither."""
+    if not stops or yes:
+        return True
+    if as_json or not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return False
+    return bool(typer.confirm(question, default=False))
+
+
+class _Progress:
+    """``EnforcementStep`` signals of one run, printed as they arrive (the live display).
+
+    The first run id seen after the call went out is ours: one run goes at a time
+    machine-wide, and a call that cannot start is refused ``Busy`` before any step.
+    """
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.started = time.monotonic()
+        self.run_id: str | None = None
+        self.shown = 0
+
+    def on_message(self, message: Message) -> None:
+        if (
+            message.message_type is not MessageType.SIGNAL
+            or message.interface != INTERFACE
+            or message.member != "EnforcementStep"
+            or message.signature != "ssbs"
+        ):
+            return
+        run_id, step, ok, detail = message.body
+        if self.run_id is None:
+            self.run_id = run_id
+        if run_id != self.run_id:
+            return
+        self.shown += 1
+        mark = "ok" if ok else "FAILED"
+        style = "green" if ok else "bold red"
+        elapsed = time.monotonic() - self.started
+        self.console.print(
+            f"  [{elapsed:6.1f}s] [{style}]{mark:>6}[/] {escape(step)}"
+            + (f": {escape(detail)}" if detail else "")
+        )
+
+
+async def _follow(
+    client: PlacementClient, console: Console, what: str, call: Callable[[], Awaitable[Any]]
+) -> Any:
+    """Subscribe to ``EnforcementStep`` first, then make the call, with no call deadline:
+    a drain may take as long as the requests in flight take. Returns its result."""
+    progress = _Progress(console)
+    client.bus.add_message_handler(progress.on_message)
+    rule = (
+        f"type='signal',sender='{BUS_NAME}',path='{OBJECT_PATH}',interface='{INTERFACE}',"
+        "member='EnforcementStep'"
+    )
+    reply = await client.bus.call(bus_daemon_message("AddMatch", "s", [rule]))
+    if reply is None or reply.message_type is MessageType.ERROR:
+        raise Unreachable(f"the bus refused the signal subscription: {reply and reply.body}")
+    client.call_timeout = None
+    console.print(f"{what}: running (steps appear as uapplaced reports them)", markup=False)
+    status = console.status(f"{what}…") if console.is_terminal else contextlib.nullcontext()
+    try:
+        with status:
+            return await call()
+    finally:
+        client.bus.remove_message_handler(progress.on_message)
 
 
 def _steps(result: dict[str, Any]) -> None:
@@ -382,34 +544,55 @@ def _steps(result: dict[str, Any]) -> None:
         mark = "ok" if step.get("ok") else "FAILED"
         detail = f": {step['detail']}" if step.get("detail") else ""
         out.print(f"  {step['name']}: {mark}{detail}", markup=False)
-    if result.get("rolledBack"):
-        out.print("  rolled back to the previous residents")
-    if result.get("error"):
-        out.print(f"  error: {result['error']}", markup=False)
 
 
-def _finish_result(result: dict[str, Any], as_json: bool, what: str) -> None:
+def _finish_result(result: dict[str, Any], as_json: bool, what: str, followed: bool) -> None:
+    """Print the outcome (the steps too when they were not followed live); exit 1 unless ok."""
     if as_json:
         _print_json(result)
     else:
-        out.print(f"{what}: {'done' if result.get('ok') else 'failed'}", markup=False)
-        _steps(result)
+        if not followed:
+            _steps(result)
+        if result.get("ok"):
+            out.print(f"{what}: done", markup=False)
+        else:
+            out.print(f"[bold red]{escape(what)}: failed[/]")
+        if result.get("rolledBack"):
+            out.print("  rolled back to the previous residents")
+        if result.get("error"):
+            out.print(f"  error: {result['error']}", markup=False)
     if not result.get("ok"):
         raise typer.Exit(EXIT_REFUSED)
+
+
+def _not_consented(what: str) -> NoReturn:
+    _fail(EXIT_REFUSED, f"{what}: nothing stopped; re-run with --yes to do exactly this")
+
+
+YesFlag = Annotated[
+    bool,
+    typer.Option(
+        "--yes",
+        help="Consent to stopping what the impact shows (otherwise asked on a terminal, "
+        "refused elsewhere). The signature shown travels with the call: if it changed, "
+        "nothing stops (exit 5).",
+    ),
+]
 
 
 @app.command()
 def apply(
     placement_id: Annotated[str, typer.Argument(metavar="ID", help="Placement id (plc-xxxxxx).")],
     option: Annotated[int, typer.Argument(min=1, help="1-based option number from `pending`.")],
-    yes: Annotated[
-        bool, typer.Option("--yes", help="Really do it: stop the victims shown and load.")
-    ] = False,
+    yes: YesFlag = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Show the impact of OPTION for placement ID; with --yes, enforce exactly that."""
+    """Show the impact of OPTION for placement ID; with --yes (or y on a terminal), enforce
+    exactly that and follow it step by step until the run ends."""
+    console = err if as_json else out
+    what = f"apply {placement_id} option {option}"
 
-    async def work(client: PlacementClient) -> dict[str, Any]:
+    async def work(client: PlacementClient) -> dict[str, Any] | None:
         listed = await client.list_pending()
         entry = next((e for e in listed.get("pending", []) if e["id"] == placement_id), None)
         if entry is None:
@@ -425,18 +608,25 @@ def apply(
                 + (f"options 1..{len(options)}" if options else "no options"),
             )
         chosen = options[option - 1]
-        for line in _impact_lines(entry, option, chosen):
-            (err if as_json else out).print(line, markup=False)
-        if not yes:
-            return {"applied": False}
-        expected = [{"model": v["model"], "config": v["config"]} for v in chosen.get("victims", [])]
-        result: dict[str, Any] = await client.apply(placement_id, option, expected)
-        return {"applied": True, "result": result}
+        header = (
+            f"Placement {entry['id']} ({entry['requested_model']} for {entry['client']}): "
+            f"option {option} = {_option_header(chosen)}."
+        )
+        victims = chosen.get("victims", [])
+        _show_impact(console, header, victims, chosen.get("frees_mib"))
+        # Apply always asks (it is the answer to a parked request), stopping or not.
+        if not _consented(True, yes, as_json, f"Apply option {option} of {placement_id}?"):
+            return None
+        signature = list(chosen.get("signature", []))
+        result: dict[str, Any] = await _follow(
+            client, console, what, lambda: client.apply(placement_id, option, signature)
+        )
+        return result
 
-    outcome = _call(work)
-    if not outcome["applied"]:
-        _fail(EXIT_REFUSED, "not applied: re-run with --yes to do exactly this")
-    _finish_result(outcome["result"], as_json, f"apply {placement_id} option {option}")
+    result = _call(work)
+    if result is None:
+        _not_consented(f"not applied ({what})")
+    _finish_result(result, as_json, what, followed=True)
 
 
 @app.command()
@@ -455,24 +645,95 @@ def dismiss(
 @app.command()
 def load(
     model: Annotated[str, typer.Argument(help="Model to load (operator-initiated).")],
+    yes: YesFlag = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Load MODEL now, through the same gate and enforcement as apply."""
-    _finish_result(_call(lambda c: c.load(model)), as_json, f"load {model}")
+    """Load MODEL now with the recommended option (as `preview` ranks it).
+
+    Shows the impact first; when it would stop a model, needs --yes (or y on a
+    terminal). Then follows the run step by step until it ends."""
+    console = err if as_json else out
+    what = f"load {model}"
+
+    async def work(client: PlacementClient) -> dict[str, Any] | None:
+        plan: dict[str, Any] = await client.preview(model, DEFAULT_CELLS)
+        options = plan.get("options", [])
+        if not options:
+            # Nothing can stop: let the daemon say why in its own words (UnknownModel, …).
+            result: dict[str, Any] = await client.load(model, [])
+            return result
+        chosen = options[0]
+        victims = chosen.get("victims", [])
+        header = f"Load {model}: {_option_header(chosen)}."
+        _show_impact(console, header, victims, chosen.get("frees_mib"))
+        if not _consented(bool(victims), yes, as_json, f"Stop the models above to load {model}?"):
+            return None
+        signature = list(chosen.get("signature", []))
+        result = await _follow(client, console, what, lambda: client.load(model, signature))
+        return result
+
+    result = _call(work)
+    if result is None:
+        _not_consented(f"not loaded ({what})")
+    _finish_result(result, as_json, what, followed=True)
 
 
 @app.command()
 def unload(
     model: Annotated[str, typer.Argument(help="Resident model to stop.")],
+    yes: YesFlag = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Stop MODEL (drain, in-flight refusal, verify the memory came back)."""
-    _finish_result(_call(lambda c: c.unload(model)), as_json, f"unload {model}")
+    """Stop MODEL (drain, in-flight refusal, verify the memory came back).
+
+    Shows what stops first and needs --yes (or y on a terminal); then follows the
+    run step by step until it ends."""
+    console = err if as_json else out
+    what = f"unload {model}"
+
+    async def work(client: PlacementClient) -> dict[str, Any] | None:
+        preview_json: dict[str, Any] = await client.preview_unload(model)
+        victims = preview_json.get("victims", [])
+        _show_impact(console, f"Unload {model}:", victims, preview_json.get("frees_mib"))
+        if not _consented(bool(victims), yes, as_json, f"Stop {model}?"):
+            return None
+        signature = list(preview_json.get("signature", []))
+        result: dict[str, Any] = await _follow(
+            client, console, what, lambda: client.unload(model, signature)
+        )
+        return result
+
+    result = _call(work)
+    if result is None:
+        _not_consented(f"not unloaded ({what})")
+    _finish_result(result, as_json, what, followed=True)
 
 
 @app.command()
-def units(as_json: JsonFlag = False) -> None:
-    """Write Conflicts= drop-ins for units that share a device."""
+def units(
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Write nothing: list the drop-ins that differ from the registry's graph "
+            "(exit 1 when any is stale).",
+        ),
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Write Conflicts= drop-ins for units that can never be resident together (in MiB)."""
+    if check:
+        stale: list[str] = _call(lambda c: c.check_units())
+        if as_json:
+            _print_json({"stale": stale})
+        else:
+            for path in stale:
+                out.print(f"stale {path}", markup=False)
+            if not stale:
+                out.print("the Conflicts= drop-ins match the registry")
+        if stale:
+            raise typer.Exit(EXIT_REFUSED)
+        return
     written: list[str] = _call(lambda c: c.write_units())
     if as_json:
         _print_json({"written": written})
@@ -603,7 +864,12 @@ def auto(
     disable: Annotated[bool, typer.Option("--disable", help="Turn auto-placement off.")] = False,
     allow_displace: Annotated[
         list[str] | None,
-        typer.Option("--allow-displace", metavar="MODEL", help="May be displaced unattended."),
+        typer.Option(
+            "--allow-displace",
+            metavar="MODEL",
+            help="MODEL may evict other models unattended to get loaded (the victims "
+            "are chosen as in `preview`; held or busy models are never stopped).",
+        ),
     ] = None,
     disallow_displace: Annotated[
         list[str] | None, typer.Option("--disallow-displace", metavar="MODEL")
@@ -646,7 +912,7 @@ def auto(
     if idle_after is not None:
         changes["unload_idle_after_secs"] = idle_after
     granting = [
-        *(f"displace {m} unattended to make room" for m in allow_displace or []),
+        *(f"stop other models unattended to load {m}" for m in allow_displace or []),
         *(f"unload {m} when it has been idle" for m in allow_unload or []),
     ]
     if granting and not yes:
@@ -823,12 +1089,7 @@ def demo(
     ] = False,
 ) -> None:
     """Run the embedded demo (contained systemd, simulated GPU, fake engines)."""
-    try:
-        module = importlib.import_module("uapplace.demo")
-    except ModuleNotFoundError as error:
-        if error.name != "uapplace.demo":
-            raise
-        _fail(EXIT_REFUSED, "demo is not implemented yet (it lands in a later issue)")
+    module = importlib.import_module("uapplace.demo")  # slow to import: only for this command
     raise typer.Exit(int(module.run(keep)))
 
 

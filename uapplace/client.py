@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
+from uapplace import busio
 from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 ERROR_PREFIX = f"{INTERFACE}.Error."
@@ -71,7 +72,7 @@ class PlacementClient:
     async def connect(
         cls, address: str | None = None, call_timeout: float | None = 30.0
     ) -> PlacementClient:
-        bus = await MessageBus(bus_address=address or user_bus_address()).connect()
+        bus = await busio.connect(address or user_bus_address())
         return cls(bus, call_timeout)
 
     def disconnect(self) -> None:
@@ -125,25 +126,33 @@ class PlacementClient:
     async def preview(self, model: str, cells: int) -> Any:
         return await self._json("Preview", "su", [model, cells])
 
-    async def apply(
-        self, placement_id: str, option: int, expected_victims: list[dict[str, str]] | None
-    ) -> Any:
-        expected = "" if expected_victims is None else json.dumps(expected_victims)
-        return await self._json("Apply", "sus", [placement_id, option, expected])
+    async def preview_unload(self, model: str) -> Any:
+        """What ``Unload(model)`` would stop: ``{model, victims, signature, frees_mib}``."""
+        return await self._json("PreviewUnload", "s", [model])
+
+    async def apply(self, placement_id: str, option: int, expected: Sequence[str]) -> Any:
+        """``expected``: the option's ``signature`` as shown (``[]``: stop nothing)."""
+        return await self._json("Apply", "suas", [placement_id, option, list(expected)])
 
     async def dismiss(self, placement_id: str) -> bool:
         (dismissed,) = await self.call("Dismiss", "s", [placement_id])
         return bool(dismissed)
 
-    async def load(self, model: str) -> Any:
-        return await self._json("Load", "s", [model])
+    async def load(self, model: str, expected: Sequence[str]) -> Any:
+        """``expected``: the signature of ``Preview``'s first option (``[]``: stop nothing)."""
+        return await self._json("Load", "sas", [model, list(expected)])
 
-    async def unload(self, model: str) -> Any:
-        return await self._json("Unload", "s", [model])
+    async def unload(self, model: str, expected: Sequence[str]) -> Any:
+        """``expected``: ``PreviewUnload``'s signature."""
+        return await self._json("Unload", "sas", [model, list(expected)])
 
     async def write_units(self) -> list[str]:
         (written,) = await self.call("WriteUnits")
         return list(written)
+
+    async def check_units(self) -> list[str]:
+        (stale,) = await self.call("CheckUnits")
+        return list(stale)
 
     async def measure(self, model: str, config: str) -> Any:
         return await self._json("Measure", "ss", [model, config])

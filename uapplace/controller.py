@@ -2,7 +2,7 @@
 
 It holds the last good registry, the capacity policy, the device probe, the
 ledger, the admission table, the residents, the bus holds, and the optional
-collaborators that later issues wire in (enforcer, measurer, unit writer, auto
+collaborators the daemon wires in at start (enforcer, measurer, unit writer, auto
 policy, notifier, authorizer, proxy client). The D-Bus layer (``service.py``)
 is a thin shell around it; the controller knows nothing of D-Bus and reports
 what happens through :class:`ControllerEvents`.
@@ -29,22 +29,24 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from uapplace import __version__
-from uapplace.admission import Admission
+from uapplace.admission import DEFAULT_TTL_SECONDS, Admission
 from uapplace.alerts import Alert, AlertBoard, AlertKind, Severity
 from uapplace.capacity import CapacityPolicy, Finding, has_errors, load_policy
 from uapplace.capacity import validate as validate_capacity
+from uapplace.conflicts import conflict_edges, dropin_groups
 from uapplace.devices import Probe, make_probe
 from uapplace.engines import ProxyClient
 from uapplace.errors import (
     Busy,
     Failed,
     InvalidArgument,
+    NotAuthorized,
     NotFound,
     UnknownModel,
-    not_implemented,
     unavailable,
 )
 from uapplace.ledger import Ledger, LedgerDoc, doc_to_json, pending_to_json
@@ -62,9 +64,15 @@ from uapplace.model import (
     iso,
 )
 from uapplace.paths import Paths
-from uapplace.planner import PlanInput, candidate_devices, plan
-from uapplace.registry import ConfigFileError, RegistryLoad, load_registry, provenance_rows
-from uapplace.units import write_conflict_dropins
+from uapplace.planner import PlanInput, plan, plan_unload
+from uapplace.registry import (
+    ConfigFileError,
+    RegistryLoad,
+    gate_on_devices,
+    load_registry,
+    provenance_rows,
+)
+from uapplace.units import has_conflict_dropins, write_conflict_dropins
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,8 @@ DEFAULT_USAGE_FLUSH_S = 5.0
 DEFAULT_TICK_S = 5.0
 DEFAULT_SHUTDOWN_WAIT_S = 30.0
 WRITE_RETRY_S = 2.0
+REPLAN_DEBOUNCE_S = 0.1
+"""How long resident changes are gathered before the pending entries are re-planned."""
 GONE = "gone"
 """The ``ResidentChanged`` state of a resident that is no longer loaded."""
 
@@ -90,6 +100,10 @@ class VictimRef:
     @property
     def signature(self) -> str:
         return f"{self.model}/{self.config}"
+
+
+Signature = Sequence[str] | Sequence[VictimRef]
+"""An approval signature: ``model/config`` strings (the bus form) or VictimRef objects."""
 
 
 @dataclass(frozen=True)
@@ -171,12 +185,17 @@ class Enforcement(Protocol):
     """Apply / Load / Unload (spec §4.6); wired by the enforcement issue."""
 
     async def apply(
-        self, entry: PendingEntry, option: int, expected: Sequence[VictimRef] | None
+        self,
+        entry: PendingEntry,
+        option: int,
+        expected: Signature | None,
+        *,
+        origin: str | None = None,
     ) -> dict[str, Any]: ...
 
-    async def load(self, model: str) -> dict[str, Any]: ...
+    async def load(self, model: str, expected: Signature) -> dict[str, Any]: ...
 
-    async def unload(self, model: str) -> dict[str, Any]: ...
+    async def unload(self, model: str, expected: Signature) -> dict[str, Any]: ...
 
     async def wait_idle(self) -> None:
         """Return once no enforcement runs (a running one finished or rolled back).
@@ -191,6 +210,10 @@ class Measurer(Protocol):
 
 class UnitWriter(Protocol):
     async def write_units(self) -> list[str]: ...
+
+    async def check_units(self) -> list[str]: ...
+
+    async def refresh(self) -> list[str]: ...
 
 
 class AutoPolicyStore(Protocol):
@@ -211,6 +234,10 @@ class NotifierLike(Protocol):
 
 class AuthorizerLike(Protocol):
     async def check(self, sender: str, action: Any) -> None: ...
+
+    async def check_polkit(self, sender: str, action: Any) -> None:
+        """polkit's yes only (no same-uid fallback); for acting on others' state."""
+        ...
 
 
 class AutoScheduler(Protocol):
@@ -257,12 +284,19 @@ def _inflight_holder(request: Mapping[str, Any]) -> Holder:
 
 
 class UnitDropins:
-    """``WriteUnits``: ``Conflicts=`` drop-ins for the units that can land on one device.
+    """``WriteUnits``: ``Conflicts=`` drop-ins for the units that can never be resident together.
 
-    A model's units (one per config, or the model's own) go in the group of every
-    device it may load on (its affinity devices, else every GPU). ``reload`` is
-    the user manager's ``Reload``; without one the files are still written and
-    the log says to run ``systemctl --user daemon-reload``.
+    The edges are :func:`uapplace.conflicts.conflict_edges`: computed in MiB with the
+    planner's own fit test, so systemd never stops a model the planner would have kept
+    alongside (DESIGN §5a invariant 1: nothing is stopped without a yes). ``reload`` is
+    the user manager's ``Reload``; without one the files are still written and the log
+    says to run ``systemctl --user daemon-reload``.
+
+    Once written, the graph follows the registry: every controller reload (SIGHUP,
+    ``validate``, a finished ``measure``) calls :meth:`refresh`, which rewrites the
+    drop-ins only where ``uapplace units`` wrote some before (a machine whose operator
+    never asked for drop-ins gets none). :meth:`check_units` reports, without writing,
+    which files differ from the graph the registry gives now (``uapplace units --check``).
     """
 
     def __init__(
@@ -272,13 +306,7 @@ class UnitDropins:
         self._reload = reload
 
     async def write_units(self) -> list[str]:
-        groups = device_unit_groups(self.controller.load.registry)
-        try:
-            changed = await asyncio.to_thread(
-                write_conflict_dropins, self.controller.paths.user_unit_dir, groups
-            )
-        except (ValueError, OSError) as err:
-            raise Failed(f"cannot write the Conflicts= drop-ins: {err}") from None
+        changed = await self._write(dry_run=False)
         if changed:
             if self._reload is not None:
                 await self._reload()
@@ -286,15 +314,40 @@ class UnitDropins:
                 log.warning("drop-ins written; run `systemctl --user daemon-reload` to apply them")
         return [str(path) for path in changed]
 
+    async def check_units(self) -> list[str]:
+        """The drop-in files that are stale (would be written or removed); nothing is touched."""
+        return [str(path) for path in await self._write(dry_run=True)]
 
-def device_unit_groups(registry: Registry) -> dict[str, list[str]]:
-    """Device key → the units (sorted) of every model that may load on it."""
-    groups: dict[str, set[str]] = {}
-    for model in registry.models.values():
-        units = {u for c in model.configs.values() if (u := model.unit_for(c)) is not None}
-        for device in candidate_devices(registry, model):
-            groups.setdefault(device, set()).update(units)
-    return {device: sorted(units) for device, units in groups.items()}
+    async def refresh(self) -> list[str]:
+        """Rewrite the drop-ins after a registry or measurement change, where they exist."""
+        unit_dir = self.controller.paths.user_unit_dir
+        if not await asyncio.to_thread(has_conflict_dropins, unit_dir):
+            return []
+        try:
+            written = await self.write_units()
+        except Failed as err:
+            log.error("the Conflicts= drop-ins are stale: %s", err)
+            return []
+        if written:
+            log.info("Conflicts= drop-ins regenerated: %s", ", ".join(written))
+        return written
+
+    async def _write(self, *, dry_run: bool) -> list[Path]:
+        groups = conflict_unit_groups(self.controller.load.registry)
+        try:
+            return await asyncio.to_thread(
+                write_conflict_dropins,
+                self.controller.paths.user_unit_dir,
+                groups,
+                dry_run=dry_run,
+            )
+        except (ValueError, OSError) as err:
+            raise Failed(f"cannot write the Conflicts= drop-ins: {err}") from None
+
+
+def conflict_unit_groups(registry: Registry) -> dict[str, list[str]]:
+    """Every ``Conflicts=`` edge of the registry as a two-unit group (``"a + b" → [a, b]``)."""
+    return dropin_groups(conflict_edges(registry))
 
 
 # --------------------------------------------------------------------------- the controller
@@ -319,10 +372,13 @@ class Controller:
         self.load = load
         self.policy = policy
         self.policy_error = policy_error
+        self.policy_loaded_at: float | None = clock() if policy is not None else None
+        """When the policy in force was read (it outlives a broken file: ``policy_state``)."""
         self.reload_error: ConfigFileError | None = None
         self.probe = probe
         self.ledger = ledger
-        self.admission = Admission(load.registry)
+        ttl = paths.test_pending_ttl_s or DEFAULT_TTL_SECONDS
+        self.admission = Admission(load.registry, ttl=ttl)
         self.residents: list[Resident] = []
         self.usage: dict[str, float] = {}
         self.cooldowns: dict[str, float] = {}
@@ -330,7 +386,7 @@ class Controller:
         self.alerts = AlertBoard(clock)
         self.version = __version__
         self.events: ControllerEvents = _NoEvents()
-        # Collaborators wired by the daemon (or by later issues); None until then.
+        # Collaborators wired by the daemon; None until then (methods say "not available").
         self.enforcer: Enforcement | None = None
         self.measurer: Measurer | None = None
         self.unit_writer: UnitWriter | None = None
@@ -355,6 +411,7 @@ class Controller:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._accepting = True
+        self._replan_wanted = asyncio.Event()
 
     # ------------------------------------------------------------------ construction
 
@@ -372,6 +429,7 @@ class Controller:
             log.error("ignoring the machine-local registry: %s", err)
         policy, policy_error = _read_policy(paths)
         probe = make_probe(paths, load.registry)
+        load = _gated(load, probe)
         return cls(
             paths, load, policy, probe, Ledger(paths.ledger), policy_error=policy_error, **kwargs
         )
@@ -384,24 +442,46 @@ class Controller:
     async def restore_from_ledger(self) -> None:
         """Read the ledger (a corrupt one is moved aside by :class:`Ledger`) and restore."""
         doc = await asyncio.to_thread(self.ledger.read)
-        if self.ledger.last_error:
-            log.warning("%s", self.ledger.last_error)
+        moved = self.ledger.last_error
+        if moved:
+            log.warning("%s", moved)
             self.ledger.last_error = None
         self.restore(doc)
+        problems = ([moved] if moved else []) + doc.dropped
+        if problems:  # a file moved aside or items dropped alone: a human should know
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            shown = "; ".join(problems[:3]) + more
+            self.raise_alert(
+                AlertKind.CONFIG_ERROR,
+                Severity.WARNING,
+                str(self.ledger.path),
+                f"the ledger was repaired at start: {shown}",
+                {"problems": problems[:20]},
+            )
 
     def start_background(self) -> None:
         """The write-behind task and the expiry tick; the first write lands right away."""
         self._tasks = [
             asyncio.create_task(self._write_behind(), name="ledger-writer"),
             asyncio.create_task(self._tick(), name="expiry-tick"),
+            asyncio.create_task(self._replan_behind(), name="pending-replanner"),
         ]
         self.mark_dirty()
+        self.request_replan()
 
     def restore(self, doc: LedgerDoc) -> None:
         """Residents, usage, cooldowns and live pending entries from the ledger."""
         now = self._clock()
         # Holders are live facts (connections, requests); none survives a restart.
-        self.residents = [replace(r, holders=()) for r in doc.residents]
+        # Publication (DESIGN §5a invariant 2): a resident is forwarded to only after a
+        # verify-up passed in this daemon's life, so every restored resident that was
+        # serving is ``warming`` until the unit sync (or LedgerPublication) verifies it.
+        self.residents = [
+            replace(r, holders=(), state=ResidentState.WARMING)
+            if r.state is ResidentState.HOT
+            else replace(r, holders=())
+            for r in doc.residents
+        ]
         self.admission.set_residents(self.residents)
         self.usage = dict(doc.usage)
         self.cooldowns = {m: until for m, until in doc.cooldowns.items() if until > now}
@@ -463,6 +543,8 @@ class Controller:
         return key
 
     def _after_park(self, entry: PendingEntry) -> None:
+        for pushed_out in self.admission.take_evicted():  # the pending caps (admission.py)
+            self.resolve(pushed_out, "expired", already_removed=True)
         self.events.on_parked(entry)
         self.events.on_pending_count(self.pending_count)
         self.mark_dirty()
@@ -470,6 +552,8 @@ class Controller:
 
     async def _plan_parked(self, entry: PendingEntry) -> None:
         """Attach options to a new park, persist it, tell the notifier."""
+        if self.admission.get(entry.id) is None:
+            return  # already resolved, or pushed out by the pending caps in a flood
         inp, _inflight_clients = await self.plan_input()
         found = await asyncio.to_thread(plan, inp, entry.requested_model, entry.cells)
         current = self.admission.get(entry.id)
@@ -486,6 +570,25 @@ class Controller:
         if self.notifier is not None:
             # The bubble names who asked; the victims' own clients are in its body.
             await self.notifier.parked(updated, found, [updated.client])
+
+    async def replan_pending(self) -> None:
+        """Re-plan every pending entry against the residents and readings now.
+
+        Options are computed once at park time; after a restart, a crash repair or
+        a unit stopped by hand they name victims and free memory that no longer
+        exist, and ``Apply`` would answer ``Drifted`` until the entry expired.
+        One probe for all entries; entries resolved meanwhile are skipped.
+        """
+        entries = self.pending_entries()
+        if not entries:
+            return
+        inp, _clients = await self.plan_input()
+        for entry in entries:
+            found = await asyncio.to_thread(plan, inp, entry.requested_model, entry.cells)
+            current = self.admission.get(entry.id)
+            if current is not None and current.options != found.options:
+                self.admission.replace(replace(current, options=found.options))
+        self.mark_dirty()
 
     # ------------------------------------------------------------------ reads
 
@@ -576,9 +679,10 @@ class Controller:
         """Re-read the config files (a bad one keeps the last good), then cross-check."""
         await self.reload()
         findings: list[Finding] = []
-        for err in (self.reload_error, self.policy_error):
-            if err is not None:
-                findings.extend(_failed_file(e) for e in err.every())
+        if self.reload_error is not None:
+            findings.extend(_failed_file(e) for e in self.reload_error.every())
+        if self.policy_error is not None:
+            findings.extend(self._failed_policy(e) for e in self.policy_error.every())
         findings.extend(validate_capacity(self.load, self.policy))
         return {
             "ok": not has_errors(findings),
@@ -586,7 +690,28 @@ class Controller:
             "warnings": sum(1 for f in findings if f.severity == "warning"),
             "findings": [f.to_json() for f in findings],
             "provenance": provenance_rows(self.load),
+            "capacity_policy": self.policy_json(),
         }
+
+    def policy_json(self) -> dict[str, Any]:
+        """Which capacity policy is in force, for ``validate`` (never silently off)."""
+        loaded = self.policy_loaded_at
+        return {
+            "state": self.policy_state,
+            "file": str(self.paths.capacity_policy),
+            "loaded_at": iso(loaded) if loaded is not None else None,
+            "refusal": self.policy_refusal(),
+        }
+
+    def _failed_policy(self, err: ConfigFileError) -> Finding:
+        if self.policy is not None and self.policy_loaded_at is not None:
+            kept = (
+                "the last good capacity policy, read at "
+                f"{iso(self.policy_loaded_at)}, stays in force"
+            )
+        else:
+            kept = "no good capacity policy was ever loaded: every verify-up refuses"
+        return Finding("error", str(err.file), err.json_path, f"{err.message} ({kept})")
 
     async def reload(self) -> bool:
         """Re-read registry and policy; a bad repo registry keeps the last good one running."""
@@ -597,15 +722,53 @@ class Controller:
         except ConfigFileError as err:
             self.reload_error = err
             log.error("registry reload failed, keeping the last good one: %s", err)
+            # The operator's edit is being ignored: say so where they look (status
+            # banner, a notification), not only in the log and `validate`.
+            self.raise_alert(
+                AlertKind.CONFIG_ERROR,
+                Severity.WARNING,
+                str(err.file),
+                f"the registry does not load ({err}); uapplaced keeps placing with the last "
+                "good one until it is fixed",
+            )
             return False
         policy, policy_error = await asyncio.to_thread(_read_policy, self.paths)
+        probe = make_probe(self.paths, load.registry)
+        load = await asyncio.to_thread(_gated, load, probe)
         self.reload_error = None
         self.load = load
-        self.policy, self.policy_error = policy, policy_error
-        self.probe = make_probe(self.paths, load.registry)
+        self._take_policy(policy, policy_error)
+        self.probe = probe
         self.admission.set_registry(load.registry)
         self._usage_keys.clear()
+        if self.unit_writer is not None:
+            await self.unit_writer.refresh()
         return True
+
+    def _take_policy(self, policy: CapacityPolicy | None, error: ConfigFileError | None) -> None:
+        """A broken policy file keeps the last good policy in force (like the registry)."""
+        self.policy_error = error
+        if policy is not None:
+            self.policy = policy
+            self.policy_loaded_at = self._clock()
+        elif self.policy is not None:
+            log.error("capacity policy reload failed, keeping the last good one: %s", error)
+
+    @property
+    def policy_state(self) -> str:
+        """``loaded`` (the file as it is now), ``last-good`` (the file is broken; the policy
+        read before stays in force) or ``none`` (no good policy was ever read: every
+        verify-up refuses, see :func:`uapplace.capacity.refusing_policy`)."""
+        if self.policy is None:
+            return "none"
+        return "last-good" if self.policy_error is not None else "loaded"
+
+    def policy_refusal(self) -> str | None:
+        """Why verify-up must refuse every engine now, or ``None`` when a policy is in force."""
+        if self.policy is not None:
+            return None
+        why = str(self.policy_error) if self.policy_error else str(self.paths.capacity_policy)
+        return f"no good capacity policy was ever loaded ({why}); verify-up fails closed"
 
     # ------------------------------------------------------------------ operator writes
 
@@ -627,8 +790,12 @@ class Controller:
         self.mark_dirty()
 
     async def apply(
-        self, placement_id: str, option: int, expected: Sequence[VictimRef] | None
+        self, placement_id: str, option: int, expected: Signature, *, origin: str | None = None
     ) -> dict[str, Any]:
+        """Enforce an option of a pending entry; ``expected`` is the approval signature
+        (``model/config`` strings, as ``ListPending`` shows them) and is always checked.
+        ``origin`` names an unattended caller (a notification click): a failed run then
+        also raises an ``enforcement_failed`` alert."""
         entry = self.admission.get(placement_id, self._clock())
         if entry is None:
             raise NotFound(_no_pending(placement_id))
@@ -643,15 +810,36 @@ class Controller:
                 f"1..{len(entry.options)}"
             )
         enforcer = self._enforcer("Apply")
-        return await enforcer.apply(entry, option, expected)
+        return await enforcer.apply(entry, option, expected, origin=origin)
 
-    async def load_model(self, model: str) -> dict[str, Any]:
+    async def load_model(self, model: str, expected: Signature) -> dict[str, Any]:
+        """Load with the recommended option; ``expected`` is its signature from ``Preview``."""
         self.model_named(model)
-        return await self._enforcer("Load").load(model)
+        return await self._enforcer("Load").load(model, expected)
 
-    async def unload(self, model: str) -> dict[str, Any]:
+    async def unload(self, model: str, expected: Signature) -> dict[str, Any]:
+        """Stop ``model``; ``expected`` is the signature ``PreviewUnload`` showed."""
         self.model_named(model)
-        return await self._enforcer("Unload").unload(model)
+        return await self._enforcer("Unload").unload(model, expected)
+
+    async def preview_unload(self, model: str) -> dict[str, Any]:
+        """What ``Unload(model)`` would stop now: ``{model, victims, signature, frees_mib}``.
+
+        The same residents the enforcer stops (every resident of the model's key),
+        with holders, in-flight and consequence as a displace option shows them.
+        """
+        key = self.model_named(model).key
+        inp, _ = await self.plan_input()
+        try:
+            victims = plan_unload(inp, key)
+        except KeyError:
+            raise NotFound(f"{key} is not resident: nothing to unload") from None
+        return {
+            "model": key,
+            "victims": [v.to_json() for v in victims],
+            "signature": sorted(v.signature for v in victims),
+            "frees_mib": round(sum(v.frees_mib for v in victims), 3),
+        }
 
     async def measure(self, model: str, config: str) -> dict[str, Any]:
         found = self.model_named(model)
@@ -664,12 +852,17 @@ class Controller:
 
     async def write_units(self) -> list[str]:
         if self.unit_writer is None:
-            raise not_implemented("WriteUnits")
+            raise self._missing("WriteUnits")
         return await self.unit_writer.write_units()
+
+    async def check_units(self) -> list[str]:
+        if self.unit_writer is None:
+            raise self._missing("CheckUnits")
+        return await self.unit_writer.check_units()
 
     async def get_auto_policy(self) -> dict[str, Any]:
         if self.auto_policy is None:
-            raise not_implemented("GetAutoPolicy")
+            raise self._missing("GetAutoPolicy")
         return await self.auto_policy.get()
 
     async def set_auto_policy(self, changes: Mapping[str, Any], consent: bool) -> dict[str, Any]:
@@ -680,7 +873,7 @@ class Controller:
                 "it needs consent=true (`uapplace auto ... --yes`)"
             )
         if self.auto_policy is None:
-            raise not_implemented("SetAutoPolicy")
+            raise self._missing("SetAutoPolicy")
         return await self.auto_policy.set(changes, consent)
 
     def model_named(self, model: str) -> Model:
@@ -701,9 +894,9 @@ class Controller:
         return self.enforcer
 
     def _missing(self, method: str) -> Failed:
-        if self.enforcement_unavailable is not None:
-            return unavailable(method, self.enforcement_unavailable)
-        return not_implemented(method)
+        """A collaborator the daemon wires at start is absent: say why, never "later"."""
+        why = self.enforcement_unavailable or "uapplaced has not wired it (it is still starting)"
+        return unavailable(method, why)
 
     # ------------------------------------------------------------------ holds
 
@@ -721,15 +914,33 @@ class Controller:
             self.drop_holds_of(sender)  # it disconnected before we could watch it
         return cookie
 
-    def release(self, cookie: int) -> None:
-        held = self.holds.pop(cookie, None)
+    def hold_owner(self, cookie: int) -> str:
+        """The bus connection that took hold ``cookie`` (``NotFound`` when there is none)."""
+        return self._hold(cookie).sender
+
+    def release(self, cookie: int, sender: str, *, may_release_others: bool = False) -> None:
+        """End a hold. Only the connection that took it may, unless the caller was
+        authorized for ``org.uap.placement.release-others`` (``may_release_others``)."""
+        held = self._hold(cookie)
+        if held.sender != sender and not may_release_others:
+            raise NotAuthorized(
+                f"hold {cookie} on {held.model} belongs to bus connection {held.sender}"
+                + (f" ({held.app_id})" if held.app_id else "")
+                + "; only that connection may release it (or a caller polkit authorizes for "
+                "org.uap.placement.release-others); it also ends when that connection closes"
+            )
+        del self.holds[cookie]
+        log.info("hold %d on %s released by %s", cookie, held.model, sender or "-")
+        self.mark_dirty()
+
+    def _hold(self, cookie: int) -> BusHold:
+        held = self.holds.get(cookie)
         if held is None:
             raise NotFound(
                 f"no hold with cookie {cookie} (it was released, or its holder's bus "
                 "connection closed)"
             )
-        log.info("hold %d on %s released", cookie, held.model)
-        self.mark_dirty()
+        return held
 
     def drop_holds_of(self, sender: str) -> None:
         """``sender`` left the bus: its holds end with it."""
@@ -785,6 +996,23 @@ class Controller:
         self.admission.set_residents(residents)
         self.events.on_residents(self.resident_rows())
         self.mark_dirty()
+        self.request_replan()
+
+    def request_replan(self) -> None:
+        """Ask for :meth:`replan_pending` soon; a burst of resident changes (a swap,
+        a start-up reconcile) coalesces into one re-plan ``REPLAN_DEBOUNCE_S`` after
+        the first request (the replanner task runs from ``start_background``)."""
+        self._replan_wanted.set()
+
+    async def _replan_behind(self) -> None:
+        while True:
+            await self._replan_wanted.wait()
+            await asyncio.sleep(REPLAN_DEBOUNCE_S)
+            self._replan_wanted.clear()
+            try:
+                await self.replan_pending()
+            except Exception:  # a failed re-plan must not end the replanner
+                log.exception("re-planning the pending entries failed")
 
     def _resolve_served(self, resident: Resident) -> None:
         for entry in self.admission.resolved_by(resident):
@@ -921,6 +1149,14 @@ async def _logged(work: Awaitable[None], name: str) -> None:
         raise
     except Exception:
         log.exception("background work %s failed", name)
+
+
+def _gated(load: RegistryLoad, probe: Probe) -> RegistryLoad:
+    """Blocking: measurements whose recorded device is not the one the probe sees are unknown."""
+    gated = gate_on_devices(load, probe.read())
+    for err in gated.device_mismatches:
+        log.error("measurement not used on this machine: %s", err)
+    return gated
 
 
 def _read_policy(paths: Paths) -> tuple[CapacityPolicy | None, ConfigFileError | None]:

@@ -40,13 +40,14 @@ from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import NameFlag, RequestNameReply
 
-from uapplace import __version__
+from uapplace import __version__, busio
 from uapplace.authz import Authorizer
 from uapplace.auto import AutoRunner, PolicyStore, enforcement_envelope_s
 from uapplace.client import bus_daemon_message, user_bus_address
-from uapplace.controller import Controller, ProxyHolders, UnitDropins, VictimRef
-from uapplace.enforce import EnforcementStack, attach_enforcement
+from uapplace.controller import Controller, ProxyHolders, UnitDropins
+from uapplace.enforce import ControllerHost, EnforcementStack, attach_enforcement
 from uapplace.engines import ProxyClient
+from uapplace.errors import Failed
 from uapplace.idle import IdleSweep
 from uapplace.model import PendingEntry, Plan, Registry
 from uapplace.notify import Notifier
@@ -55,6 +56,7 @@ from uapplace.peer import PeerListener, PeerRefused
 from uapplace.planner import plan
 from uapplace.registry import ConfigFileError
 from uapplace.service import PlacementInterface, track_senders
+from uapplace.unitsync import LedgerPublication
 
 log = logging.getLogger("uapplaced")
 
@@ -125,13 +127,15 @@ class Daemon:
         self.stop = asyncio.Event()
         self.bus: MessageBus | None = None
         self.stack: EnforcementStack | None = None
+        self.publication: LedgerPublication | None = None
+        """Verifies restored residents over HTTP when no unit sync runs (no user manager)."""
         self.sweep_task: asyncio.Future[None] | None = None
         self.peer_listener: PeerListener | None = None
         self.interface: PlacementInterface | None = None
 
     async def run(self) -> int:
         try:
-            bus = await MessageBus(bus_address=self.address).connect()
+            bus = await busio.connect(self.address)
         except Exception as err:
             log.error("cannot connect to the user bus at %s: %s", self.address, err)
             return EXIT_BUS
@@ -156,9 +160,16 @@ class Daemon:
         stopped = asyncio.ensure_future(self.stop.wait())
         await asyncio.wait({lost, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
-        code = EXIT_OK if self.stop.is_set() else EXIT_BUS
+        # A lost bus is exit 1 even when systemd's SIGTERM (it stops a Type=dbus unit
+        # whose name vanished) lands first: only a failure makes Restart=on-failure fire.
+        code = EXIT_BUS if lost.done() else EXIT_OK
         if code != EXIT_OK:
-            log.error("lost the bus connection to %s; flushing and exiting", self.address)
+            log.error(
+                "lost the bus connection to %s (%s); flushing and exiting %d",
+                self.address,
+                _disconnect_reason(lost),
+                code,
+            )
         await self._shutdown(bus, connected=not lost.done())
         lost.cancel()
         return code
@@ -183,6 +194,8 @@ class Daemon:
                 await self.stack.close()
             except Exception as err:
                 log.warning("closing the unit manager: %s", err)
+        if self.publication is not None:
+            await self.publication.close()
         for closer in (self.controller.notifier, self.controller.authorizer):
             stop = getattr(closer, "stop", None) or getattr(closer, "close", None)
             if stop is not None:
@@ -231,6 +244,7 @@ class Daemon:
         if why_not is not None:
             controller.enforcement_unavailable = why_not
             log.warning("Apply/Load/Unload/Measure unavailable: %s", why_not)
+            self._publish_restored(controller)
             return
         try:
             stack = await attach_enforcement(controller, self.paths, proxy)
@@ -238,6 +252,7 @@ class Daemon:
             controller.enforcer = controller.measurer = None
             controller.enforcement_unavailable = f"enforcement could not start: {err}"
             log.error("Apply/Load/Unload/Measure unavailable: %s", err)
+            self._publish_restored(controller)
             return
         self.stack = stack
         controller.unit_writer = UnitDropins(controller, stack.units.reload)
@@ -261,6 +276,12 @@ class Daemon:
         self.sweep_task = asyncio.ensure_future(sweep.run())
         log.info("enforcement, unit sync, auto runner and idle sweep wired")
 
+    def _publish_restored(self, controller: Controller) -> None:
+        """No unit sync: restored residents are still verified (over HTTP) before any
+        admit is forwarded to them (DESIGN §5a invariant 2)."""
+        self.publication = LedgerPublication(ControllerHost(controller))
+        self.publication.start()
+
     async def _listen_on_peer_socket(self) -> None:
         """The Admit-only peer socket (:mod:`uapplace.peer`); the bus works without it."""
         interface = self.interface
@@ -276,8 +297,13 @@ class Daemon:
 
     async def _wire_notifier(self, controller: Controller) -> None:
         async def on_apply(placement_id: str, option: int, signature: tuple[str, ...]) -> None:
-            expected = [VictimRef(*s.split("/", 1)) for s in signature]
-            await controller.apply(placement_id, option, expected)
+            # The signature the bubble showed; a run that did not land is told back to
+            # the person who clicked (Notifier answers a PlacementFailure with a bubble).
+            result = await controller.apply(
+                placement_id, option, list(signature), origin="notification click"
+            )
+            if result.get("ok") is not True:
+                raise Failed(str(result.get("error") or "the enforcement did not complete"))
 
         async def on_dismiss(placement_id: str) -> None:
             controller.dismiss(placement_id)
@@ -334,6 +360,14 @@ async def _bus_call(bus: MessageBus, member: str, signature: str, body: list[Any
         text = reply.body[0] if reply is not None and reply.body else "no reply"
         raise RuntimeError(f"{member}: {text}")
     return list(reply.body)
+
+
+def _disconnect_reason(lost: asyncio.Future[Any]) -> str:
+    """What ``wait_for_disconnect`` ended with (and the error marked as seen)."""
+    if lost.cancelled():
+        return "cancelled"
+    err = lost.exception()
+    return "closed by the other end" if err is None else f"{type(err).__name__}: {err}"
 
 
 def _log_failure(task: asyncio.Future[Any]) -> None:

@@ -52,12 +52,14 @@ from rich.table import Table
 from uapplace import engines
 from uapplace.client import PlacementClient, PlacementError, bus_daemon_message, user_bus_address
 from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
+from uapplace.registry import local_measurements
 from uapplace.sim.gpu import SimGpu, sim_uuid
 from uapplace.sim.usermanager import ContainedUserManager, ContainmentError, can_contain
 from uapplace.units import UnitError, UnitManager
 
 UNIT_PREFIX = "uapplace-demo"
 DEVICE_MIB = 24576
+DEVICE_NAME = "Simulated 24 GiB GPU"
 MEASURED_AT = "2026-10-08T14:02:00Z"
 STEP_GUARD_S = 60.0
 """No single demo step may take longer than this (a hang guard)."""
@@ -217,7 +219,7 @@ class Sandbox:
         ports["proxy"] = free_port()
         ports["shim"] = free_port()
         sim = SimGpu(base / "sim-gpu.json")
-        sim.create([("Simulated 24 GiB GPU", DEVICE_MIB)])
+        sim.create([(DEVICE_NAME, DEVICE_MIB)])
         box = cls(spec, base, bus, unit_dir, manager is not None, sim, ports, manager=manager)
         box.env = box._client_env_vars()
         await box._check_bus_free()
@@ -276,6 +278,11 @@ class Sandbox:
         registry = registry_json(self, self.spec.models)
         (self.config_dir / "model-registry.json").write_text(
             json.dumps(registry, indent=2), encoding="utf-8"
+        )
+        # Measured figures count only from the machine-local file (spec §4.1): the demo's
+        # box records its own, with the simulated card's identity, as `measure` would.
+        (self.uap_home / "model-registry.json").write_text(
+            json.dumps(local_measurements(registry), indent=2), encoding="utf-8"
         )
         (self.config_dir / "capacity-policy.json").write_text(
             json.dumps(capacity_policy_json(self.spec.models), indent=2), encoding="utf-8"
@@ -427,7 +434,7 @@ def registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[str, Any]:
         "devices": {
             "gpu0": {
                 "kind": "gpu",
-                "name": "Simulated 24 GiB GPU",
+                "name": DEVICE_NAME,
                 "total_mib": DEVICE_MIB,
                 "reserved_mib": 0,
                 "uuid": sim_uuid(0),
@@ -452,6 +459,11 @@ def registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[str, Any]:
                         "kv": "q8_0",
                         "measured_at": MEASURED_AT,
                         "measured_on": "gpu0",
+                        "measured_device": {
+                            "name": DEVICE_NAME,
+                            "uuid": sim_uuid(0),
+                            "total_mib": DEVICE_MIB,
+                        },
                     }
                 },
             }
@@ -650,7 +662,7 @@ async def walkthrough(box: Sandbox, console: Console) -> None:
         entry = await _pending_with_options(bus, placement_id)
         console.print(options_table(entry))
         option = entry["options"][0]
-        victims = [{"model": v["model"], "config": v["config"]} for v in option.get("victims", [])]
+        signature = list(option.get("signature", []))
 
         say.step(
             f"The operator says yes: `uapplace apply {placement_id} 1`",
@@ -659,7 +671,7 @@ async def walkthrough(box: Sandbox, console: Console) -> None:
         printer = StepPrinter(say)
         bus.bus.add_message_handler(printer)
         await _add_match(bus, f"type='signal',interface='{INTERFACE}',member='EnforcementStep'")
-        result = await bus.apply(placement_id, 1, victims)
+        result = await bus.apply(placement_id, 1, signature)
         await asyncio.sleep(0.1)  # the last signals may trail the reply
         bus.bus.remove_message_handler(printer)
         if not result.get("ok"):

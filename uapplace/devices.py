@@ -194,6 +194,7 @@ class NvmlProbe:
             source=ProbeSource.NVML,
             processes=tuple(self._usage(p) for p in running),
             uuid=uuid,
+            name=_device_name(nvml, handle),
         )
 
     def _usage(self, process: Any) -> ProcessUsage:
@@ -201,6 +202,20 @@ class NvmlProbe:
         used = process.usedGpuMemory  # None where the driver does not say (containers)
         used_mib = int(used) / MIB if used is not None else 0.0
         return ProcessUsage(pid=pid, used_mib=used_mib, command=self._command_of(pid))
+
+
+def _device_name(nvml: NvmlApi, handle: Any) -> str | None:
+    """The product name (``NVIDIA GeForce RTX 3090``), or ``None`` where NVML gives none.
+
+    Optional on the API: a measurement's device identity compares it when both sides have it.
+    """
+    get_name = getattr(nvml, "nvmlDeviceGetName", None)
+    if get_name is None:
+        return None
+    try:
+        return _text(get_name(handle)) or None
+    except Exception:
+        return None
 
 
 def _text(value: str | bytes) -> str:
@@ -243,6 +258,7 @@ class SimProbe:
                 for a in state.allocations_on(sim_device.uuid)
             ),
             uuid=sim_device.uuid,
+            name=sim_device.name or None,
         )
 
     @staticmethod

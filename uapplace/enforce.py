@@ -4,13 +4,20 @@ Every ``Apply``, ``Load`` and ``Unload`` goes through one sequence of named
 steps, each reported as it ends (``EnforcementStep(run_id, step, ok, detail)``)
 and returned in the result (CONTRACT.md §4)::
 
-    revalidate → mark-draining → drain → stop → verify-free → start → verify-up
-               → refresh-proxy → resolve
+    revalidate → preflight → mark-draining → drain → stop → verify-free → start
+               → verify-up → refresh-proxy → resolve
 
 - **revalidate** recomputes the options now (planner on fresh residents,
   readings and in-flight) and refuses with :class:`~uapplace.errors.Drifted`
   when the approved option is gone or its victim signature differs from what
   the operator approved ("victim set changed"). Nothing has been touched yet.
+- **preflight** checks that what is about to start can start, before anything
+  stops (:func:`preflight_problems`): the new unit is ``LoadState=loaded``, its
+  ``ExecStart=`` binaries exist and are executable, its config is measured for
+  this machine on the target device (``Config.is_measured``: machine-local
+  figures, see the registry) and the host-RAM gate passes on a fresh reading.
+  A refusal is a failed run (``ok`` false, ``error`` naming the unit, field
+  and why) with no victim touched: no mark, no stop, nothing to roll back.
 - **mark-draining** marks the victims ``draining``: admission stops forwarding
   to them. The marks live in :class:`EnforcementMarks` so a concurrent unit
   sync keeps them mid-drain; they are cleared when the run ends, whatever the
@@ -32,11 +39,29 @@ and returned in the result (CONTRACT.md §4)::
 - **resolve**: the new resident ``hot``, the victims gone, the pending entries
   the new resident serves resolved ``applied``.
 
-Rollback (any failure after revalidate): stop what this run started (two
-same-device residents must never coexist, so the victims are restarted only
-once it is confirmed stopped), restart the victims this run stopped and wait
-until healthy, clear the marks. The result says ``rolled back`` or
-``ROLLBACK INCOMPLETE: <observed state>``; rollback is tried once, never looped.
+Rollback (any failure after preflight): stop what this run started, then
+restart every victim this run stopped, each with its own verify-up (health and
+served id, bounded like verify-up from the victim's own start facts), and
+clear the marks. Two same-device residents must never run together, so the
+victims are restarted only once the new unit is seen not running: a failed
+stop job alone does not block them (a unit that does not exist, or is
+``inactive``/``failed`` whatever its stop job said, is safe), only a new unit
+observed still up (or whose state cannot be read) does. The result says
+``rolled back`` or ``ROLLBACK INCOMPLETE: <observed state>``, and
+``runningAfter`` lists what runs on the run's device at the end; rollback is
+tried once, never looped.
+
+ROLLBACK INCOMPLETE (a victim that ran before is not running and verified
+again) is raised everywhere: a critical ``rollback_incomplete`` alert per
+device (``host.raise_alert``: ``GetState.alerts``, ``AlertRaised``, the
+critical notification, ``uapplace status``) naming what could not be restored
+and why, and the pending entry the run applied is resolved ``failed`` so its
+parked clients fall back at once (spec §4.6 step 7). After a complete
+rollback the entry stays pending: the machine is as before and the operator
+may pick another option. An unattended run (``wait=True``: the auto runner and
+the idle sweep; or ``origin`` given, e.g. a notification click) that fails or
+rolls back also raises a ``enforcement_failed`` warning, since nobody is
+watching its result.
 
 Concurrency: one run machine-wide. A second operator call while one runs gets
 :class:`~uapplace.errors.Busy` at once (naming the running one), because a bus
@@ -48,15 +73,19 @@ run in a thread, HTTP is aiohttp.
 Timeouts (:class:`Timeouts`) are **unvalidated defaults** (spec §4.3: "the
 timeouts have an envelope nobody has measured"): conservative guesses until a
 planned switch on the real machine measures the envelope. Override any of them
-in ``$UAP_HOME/enforcement-timeouts.json`` (:meth:`Timeouts.load`).
+in ``$UAP_HOME/enforcement-timeouts.json`` (:meth:`Timeouts.load`). The
+verify-up wait comes from facts where the registry has them
+(:meth:`Timeouts.verify_up_bound`): a config's measured start time beats the
+operator's per-config bound, which beats the global value.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import os
 import secrets
+import stat
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -65,13 +94,18 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from uapplace import engines
-from uapplace.capacity import ServicePolicy
+from uapplace import verify
+from uapplace.alerts import AlertKind, Severity
+from uapplace.capacity import ServicePolicy, refusing_policy
 from uapplace.errors import Busy, Drifted, Failed, InvalidArgument, NotFound, UnknownModel
+from uapplace.journal import Journal, JournalError, RunRecord
+from uapplace.jsonfile import ConfigFileError
 from uapplace.measure import Measurer
 from uapplace.model import (
     DEFAULT_CELLS,
     Config,
+    ConfigStatus,
+    Device,
     DeviceReading,
     Holder,
     Model,
@@ -86,7 +120,8 @@ from uapplace.model import (
     iso,
 )
 from uapplace.planner import PlanInput, plan
-from uapplace.registry import ConfigFileError, read_json, unit_file_name, valid_unit_name
+from uapplace.recovery import ControllerRecoveryHost, recover
+from uapplace.registry import read_json, unit_file_name, valid_unit_name
 from uapplace.units import JobOutcome, UnitError, UnitManager, UnitState
 from uapplace.unitsync import EnforcementMarks, ResidentKey, UnitSync, resident_key
 
@@ -97,6 +132,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REVALIDATE = "revalidate"
+PREFLIGHT = "preflight"
 MARK_DRAINING = "mark-draining"
 DRAIN = "drain"
 STOP = "stop"
@@ -113,8 +149,10 @@ ROLLBACK_CLEAR = "rollback-clear"
 ROLLED_BACK = "rolled back"
 ROLLBACK_INCOMPLETE = "ROLLBACK INCOMPLETE"
 APPLIED = "applied"
+FAILED_OUTCOME = "failed"
+"""``Resolved`` outcome of the pending entry of a run whose rollback was incomplete."""
 
-HEALTH_BACKOFF = 1.5
+HEALTH_BACKOFF = verify.HEALTH_BACKOFF
 """Growth of the pause between two ``/health`` polls (from ``health_first_poll_s``)."""
 _DOWN_STATES = frozenset({"failed", "inactive"})
 
@@ -138,16 +176,26 @@ class Timeouts:
     verify_free_poll_s: float = 0.1
     start_s: float = 90.0
     """The start job's deadline (``Type=simple`` units finish it at fork)."""
-    verify_up_s: float = 600.0
-    """Load time: from the start job until ``/health`` is 200. Large models are slow."""
+    verify_up_s: float = 120.0
+    """Load time when the config records no start facts: from the start job until
+    ``/health`` is 200. 120 s, not the former 600 s: an engine that never turns healthy
+    held the device for ten minutes. A config slower than this records ``start_s``
+    (measured) or ``start_timeout_s`` (the operator's bound); see :meth:`verify_up_bound`."""
     health_first_poll_s: float = 0.05
     health_max_poll_s: float = 0.1
     """The pause between ``/health`` polls grows ×1.5 from 50 ms to this: a local GET
     is cheap, and every 100 ms of pause is up to 100 ms added to a swap."""
     http_s: float = 2.0
     """One engine probe (``/health``, ``/v1/models``, ``/metrics``)."""
-    rollback_up_s: float = 600.0
-    """How long a restarted victim may take to turn healthy again."""
+    rollback_up_s: float = 120.0
+    """How long a restarted victim may take to turn healthy again when its config has no
+    start facts (otherwise the victim's own :meth:`verify_up_bound`)."""
+    measured_start_multiple: float = 3.0
+    measured_start_margin_s: float = 5.0
+    measured_start_floor_s: float = 10.0
+    """With a measured cold start ``start_s``, verify-up waits
+    ``max(floor, multiple × start_s + margin)``: three times what this machine took, plus
+    a margin for a cold page cache, never under 10 s (a 1 s engine gets 10 s)."""
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -176,6 +224,47 @@ class Timeouts:
     def to_json(self) -> dict[str, float]:
         return {item.name: getattr(self, item.name) for item in fields(self)}
 
+    def verify_up_bound(self, label: str, config: Config | None, fallback: float) -> UpBound:
+        """How long an engine of ``config`` may take to turn healthy, and why that long.
+
+        Precedence (most specific fact first):
+
+        1. the config's measured cold start ``start_s`` (counted only when its figures
+           count on this machine, ``Config.untrusted`` empty):
+           ``max(measured_start_floor_s, measured_start_multiple × start_s +
+           measured_start_margin_s)``;
+        2. the config's ``start_timeout_s``, the operator's explicit bound;
+        3. ``fallback``: :attr:`verify_up_s` for a new resident, :attr:`rollback_up_s`
+           for a restarted victim (the defaults, or what
+           ``enforcement-timeouts.json`` says: the file overrides the defaults, never
+           a config's own facts).
+
+        ``label`` (``model/config``) only names the config in :attr:`UpBound.source`.
+        """
+        if config is not None and config.start_s is not None and not config.untrusted:
+            derived = self.measured_start_multiple * config.start_s + self.measured_start_margin_s
+            seconds = max(self.measured_start_floor_s, derived)
+            start = f"{config.start_s:g}s"
+            source = (
+                f"{label} measured start {start}: max({self.measured_start_floor_s:g}s, "
+                f"{self.measured_start_multiple:g} × {start} + {self.measured_start_margin_s:g}s)"
+            )
+            return UpBound(seconds, source)
+        if config is not None and config.start_timeout_s is not None:
+            return UpBound(config.start_timeout_s, f"start_timeout_s of {label}")
+        return UpBound(fallback, f"default: {label} records no start_s or start_timeout_s")
+
+
+@dataclass(frozen=True)
+class UpBound:
+    """A verify-up wait and where it came from (shown in the step detail)."""
+
+    seconds: float
+    source: str
+
+    def text(self) -> str:
+        return f"bound {self.seconds:g}s ({self.source})"
+
 
 class _TimeoutsDoc(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -191,6 +280,9 @@ class _TimeoutsDoc(BaseModel):
     health_max_poll_s: float | None = Field(default=None, gt=0)
     http_s: float | None = Field(default=None, gt=0)
     rollback_up_s: float | None = Field(default=None, gt=0)
+    measured_start_multiple: float | None = Field(default=None, ge=1)
+    measured_start_margin_s: float | None = Field(default=None, gt=0)
+    measured_start_floor_s: float | None = Field(default=None, gt=0)
 
 
 # --------------------------------------------------------------------------- the host
@@ -253,6 +345,17 @@ class EnforcementHost(Protocol):
         """One ``EnforcementStep`` signal."""
         ...
 
+    def raise_alert(
+        self,
+        kind: AlertKind,
+        severity: Severity,
+        subject: str,
+        message: str,
+        detail: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Tell a human until acknowledged (``GetState.alerts``, signal, notification)."""
+        ...
+
 
 class ProxyRefresher(Protocol):
     async def refresh(self) -> tuple[bool, str]: ...
@@ -299,6 +402,9 @@ class ControllerHost:
 
     def service_policy(self, model: Model) -> ServicePolicy | None:
         policy = self.controller.policy
+        refusal = self.controller.policy_refusal()
+        if refusal is not None:  # no good policy ever loaded: fail closed, never silently off
+            return refusing_policy(refusal)
         if policy is None or model.service is None:
             return None
         return policy.services.get(model.service)
@@ -327,6 +433,16 @@ class ControllerHost:
 
     def emit_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
         self.controller.emit_step(run_id, step, ok, detail)
+
+    def raise_alert(
+        self,
+        kind: AlertKind,
+        severity: Severity,
+        subject: str,
+        message: str,
+        detail: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.controller.raise_alert(kind, severity, subject, message, detail)
 
 
 def _same_publication(a: Resident, b: Resident) -> bool:
@@ -358,6 +474,9 @@ class EnforcementResult:
     rolled_back: bool | None = None
     """``None``: no rollback was needed; ``False``: it was incomplete."""
     error: str | None = None
+    running_after: tuple[RunningAfter, ...] | None = None
+    """What runs on the run's device(s) when it ended (``runningAfter``); ``None`` for a
+    run refused before anything was looked at."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -370,7 +489,34 @@ class EnforcementResult:
             out["rolledBack"] = self.rolled_back
         if self.error is not None:
             out["error"] = self.error
+        if self.running_after is not None:
+            out["runningAfter"] = [r.to_json() for r in self.running_after]
         return out
+
+
+@dataclass(frozen=True)
+class RunningAfter:
+    """One backend running on a run's device at its end, as systemd reports its unit."""
+
+    model: str
+    config: str
+    device: str
+    unit: str | None
+    state: str
+    """``active/running`` …, or ``published`` for a resident without a readable unit."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "config": self.config,
+            "device": self.device,
+            "unit": self.unit,
+            "state": self.state,
+        }
+
+    def text(self) -> str:
+        unit = f", {self.unit} {self.state}" if self.unit else ""
+        return f"{self.model}/{self.config} on {self.device}{unit}"
 
 
 class _StepFailed(Exception):
@@ -394,6 +540,9 @@ class _Run:
     started_unit: str | None = None
     """The unit whose start was attempted (the rollback stops it first)."""
     victim_pids: frozenset[int] = frozenset()
+    started_at: float = field(default_factory=time.time)
+    verify_up_bound: UpBound | None = None
+    """The verify-up wait this run used for its new unit, and why that long."""
 
     def record(self, step: str, ok: bool, detail: str) -> None:
         self.steps.append(StepRecord(step, ok, detail))
@@ -440,11 +589,28 @@ ExpectedVictims = Sequence[str] | Sequence[_SignatureRef]
 
 
 def normalize_signature(expected: ExpectedVictims | None) -> tuple[str, ...] | None:
-    """``["m/c", …]`` or objects with ``.signature`` → a sorted tuple; ``None`` stays."""
+    """``["m/c", …]`` or objects with ``.signature`` → a sorted tuple; ``None`` stays.
+
+    The signature is one type everywhere (bus ``as expected``, shim
+    ``expected_victims``, notification buttons, auto and idle runs): the sorted
+    ``model/config`` strings ``ListPending``/``Preview``/``PreviewUnload`` show.
+    An empty one means "I approve stopping nothing": it is checked like any other.
+    """
     if expected is None:
         return None
     out = [item if isinstance(item, str) else item.signature for item in expected]
     return tuple(sorted(out))
+
+
+def _signature_drift(approved: tuple[str, ...], now: Iterable[str]) -> Drifted | None:
+    """``Drifted`` naming both lists when what would stop now is not what was approved."""
+    current = tuple(sorted(now))
+    if current == approved:
+        return None
+    return Drifted(
+        f"victim set changed: approved [{', '.join(approved) or 'none'}], "
+        f"now [{', '.join(current) or 'none'}]; look at the preview again"
+    )
 
 
 # --------------------------------------------------------------------------- the enforcer
@@ -462,8 +628,11 @@ class Enforcer:
         refresher: ProxyRefresher | None = None,
         marks: EnforcementMarks | None = None,
         clock: Callable[[], float] = time.time,
+        journal: Journal | None = None,
     ) -> None:
         self.host = host
+        self.journal = journal
+        """Where each unit-changing step is recorded first (crash recovery); ``None``: nowhere."""
         self.units = units
         self.timeouts = timeouts or Timeouts()
         self.refresher = refresher
@@ -493,6 +662,7 @@ class Enforcer:
         expected: ExpectedVictims | None = None,
         *,
         wait: bool = False,
+        origin: str | None = None,
     ) -> dict[str, Any]:
         """Enforce option ``option`` (1-based) of a pending entry.
 
@@ -502,7 +672,8 @@ class Enforcer:
         Raises ``NotFound``/``InvalidArgument`` for a bad id or index, ``Drifted``
         when revalidation refuses, ``Busy`` when another run is in progress and
         ``wait`` is false. Returns the result JSON otherwise (``ok`` false after a
-        rollback).
+        preflight refusal or a rollback). ``origin`` names an unattended caller
+        (``"notification"``, ``"auto"``): its failure also raises an alert.
         """
         found = self._entry(entry)
         if not found.options:
@@ -521,29 +692,43 @@ class Enforcer:
         async def revalidate(run: _Run) -> _Target:
             return await self._revalidate_option(run, found, approved, signature)
 
-        result = await self._enforce(what, revalidate, found.id, wait)
+        result = await self._enforce(what, revalidate, found.id, wait, origin)
         return result.to_json()
 
     async def load(
-        self, model: str, *, cells: int = DEFAULT_CELLS, wait: bool = False
+        self,
+        model: str,
+        expected: ExpectedVictims,
+        *,
+        cells: int = DEFAULT_CELLS,
+        wait: bool = False,
     ) -> dict[str, Any]:
         """Load ``model`` with the planner's recommended option (operator-initiated).
 
-        The recommended option may displace residents: ``Load`` is the operator's
-        explicit request, and the CLI shows the preview before it asks.
+        ``expected`` is the signature of the recommended option the operator saw
+        (``Preview``'s first option; ``[]`` when it stops nothing): the run refuses
+        with ``Drifted`` when the recommended option now stops anything else.
         """
+        signature = normalize_signature(expected) or ()
 
         async def revalidate(run: _Run) -> _Target:
-            return await self._revalidate_load(run, model, cells)
+            return await self._revalidate_load(run, model, cells, signature)
 
         result = await self._enforce(f"load {model}", revalidate, None, wait)
         return result.to_json()
 
-    async def unload(self, model: str, *, wait: bool = False) -> dict[str, Any]:
-        """Stop every resident serving ``model`` (drain first, rollback on failure)."""
+    async def unload(
+        self, model: str, expected: ExpectedVictims, *, wait: bool = False
+    ) -> dict[str, Any]:
+        """Stop every resident serving ``model`` (drain first, rollback on failure).
+
+        ``expected`` is the signature ``PreviewUnload`` showed (the residents that
+        stop); a different set now is ``Drifted``.
+        """
+        signature = normalize_signature(expected) or ()
 
         async def revalidate(run: _Run) -> _Target:
-            return await self._revalidate_unload(run, model)
+            return await self._revalidate_unload(run, model, signature)
 
         result = await self._enforce(f"unload {model}", revalidate, None, wait)
         return result.to_json()
@@ -564,6 +749,7 @@ class Enforcer:
         revalidate: Callable[[_Run], Awaitable[_Target]],
         placement_id: str | None,
         wait: bool,
+        origin: str | None = None,
     ) -> EnforcementResult:
         if self._lock.locked() and not wait:
             raise Busy(
@@ -575,7 +761,10 @@ class Enforcer:
             self._running = f"{run.run_id} ({what})"
             try:
                 target = await revalidate(run)
-                return await self._sequence(run, target, placement_id)
+                result = await self._sequence(run, target, placement_id)
+                await self._journal_clear(run)
+                self._alert_unattended(run, target, result, _unattended(target, wait, origin))
+                return result
             finally:
                 self._release_marks(run)
                 self._running = None
@@ -585,7 +774,23 @@ class Enforcer:
     ) -> EnforcementResult:
         if target.reuse is not None:
             self._resolve(run, target)
-            return EnforcementResult(True, run.run_id, placement_id, tuple(run.steps))
+            return EnforcementResult(
+                True,
+                run.run_id,
+                placement_id,
+                tuple(run.steps),
+                running_after=self._published(target),
+            )
+        refusal = await self._preflight(run, target)
+        if refusal is not None:
+            return EnforcementResult(
+                False,
+                run.run_id,
+                placement_id,
+                tuple(run.steps),
+                error=f"{PREFLIGHT}: {refusal}; nothing was stopped",
+                running_after=await self._running_after(run, target),
+            )
         try:
             self._mark_draining(run, target)
             await self._drain(run, target)
@@ -595,18 +800,35 @@ class Enforcer:
                 await self._start(run, target)
                 await self._verify_up(run, target)
         except _StepFailed as failure:
-            complete, observed = await self._rollback(run, target)
-            error = f"{failure.step}: {failure.detail}"
-            if complete:
-                error += f"; {ROLLED_BACK}"
-            else:
-                error += f"; {ROLLBACK_INCOMPLETE}: {observed}"
-            return EnforcementResult(
-                False, run.run_id, placement_id, tuple(run.steps), rolled_back=complete, error=error
-            )
+            return await self._failed(run, target, placement_id, failure)
         await self._refresh_proxy(run)
         self._resolve(run, target)
-        return EnforcementResult(True, run.run_id, placement_id, tuple(run.steps))
+        return EnforcementResult(
+            True, run.run_id, placement_id, tuple(run.steps), running_after=self._published(target)
+        )
+
+    async def _failed(
+        self, run: _Run, target: _Target, placement_id: str | None, failure: _StepFailed
+    ) -> EnforcementResult:
+        """Roll back; on an incomplete rollback raise it everywhere (module docstring)."""
+        restore, running = await self._rollback(run, target)
+        error = f"{failure.step}: {failure.detail}"
+        if restore.complete:
+            error += f"; {ROLLED_BACK}"
+        else:
+            error += f"; {ROLLBACK_INCOMPLETE}: {'; '.join(restore.problems)}"
+            self._alert_incomplete(run, target, failure, restore, running)
+            if target.entry is not None:
+                self.host.resolve_entry(target.entry.id, FAILED_OUTCOME)
+        return EnforcementResult(
+            False,
+            run.run_id,
+            placement_id,
+            tuple(run.steps),
+            rolled_back=restore.complete,
+            error=error,
+            running_after=running,
+        )
 
     # ------------------------------------------------------------------ revalidate
 
@@ -643,7 +865,9 @@ class Enforcer:
             )
         return self._option_target(run, "apply", entry.requested_model, chosen, entry)
 
-    async def _revalidate_load(self, run: _Run, model: str, cells: int) -> _Target:
+    async def _revalidate_load(
+        self, run: _Run, model: str, cells: int, signature: tuple[str, ...]
+    ) -> _Target:
         registry = self.host.registry()
         if registry.resolve(model) is None:
             raise self._refuse(run, UnknownModel(f"model {model!r} is in no registry file"))
@@ -652,11 +876,16 @@ class Enforcer:
             why = "; ".join(fresh.infeasible) or fresh.reason.value
             raise self._refuse(run, Failed(f"no way to load {model} now: {why}"))
         chosen = fresh.options[0]
+        drift = _signature_drift(signature, chosen.signature)
+        if drift is not None:
+            raise self._refuse(run, drift)
         if chosen.kind is OptionKind.REUSE:
             return self._reuse_target(run, model, chosen, None)
         return self._option_target(run, "load", model, chosen, None)
 
-    async def _revalidate_unload(self, run: _Run, model: str) -> _Target:
+    async def _revalidate_unload(
+        self, run: _Run, model: str, signature: tuple[str, ...]
+    ) -> _Target:
         registry = self.host.registry()
         resolved = registry.resolve(model)
         if resolved is None:
@@ -665,6 +894,9 @@ class Enforcer:
         victims = tuple(r for r in self.host.residents() if r.model == found.key)
         if not victims:
             raise self._refuse(run, NotFound(f"{found.key} is not resident: nothing to unload"))
+        drift = _signature_drift(signature, (r.signature for r in victims))
+        if drift is not None:
+            raise self._refuse(run, drift)
         self._check_victim_units(run, victims)
         held = [h for r in victims for h in self.host.holds(r)]
         if held:
@@ -782,6 +1014,54 @@ class Enforcer:
         run.record(REVALIDATE, False, str(err))
         return err
 
+    # ------------------------------------------------------------------ preflight
+
+    async def _preflight(self, run: _Run, target: _Target) -> str | None:
+        """Check that what starts can start, before anything stops; why not, or ``None``.
+
+        Recorded as the ``preflight`` step either way. Nothing is marked, drained or
+        stopped before it passes (:func:`preflight_problems` decides).
+        """
+        if target.new_unit is None or target.config is None:
+            stopping = ", ".join(v.signature for v in target.victims) or "nothing"
+            run.record(PREFLIGHT, True, f"nothing starts ({target.kind}); {stopping} stops")
+            return None
+        facts = await self._preflight_facts(target, target.new_unit, target.config)
+        problems = preflight_problems(facts)
+        if problems:
+            detail = "; ".join(problems)
+            run.record(PREFLIGHT, False, detail)
+            return detail
+        run.record(PREFLIGHT, True, preflight_summary(facts))
+        return None
+
+    async def _preflight_facts(self, target: _Target, unit: str, config: Config) -> PreflightFacts:
+        state: UnitState | None = None
+        unit_error = ""
+        try:
+            state = await self.units.state(unit)
+        except UnitError as err:
+            unit_error = str(err)
+        else:
+            self._unit_states[unit] = state
+        binaries: dict[str, str] = {}
+        if state is not None and state.exec_paths:
+            binaries = await asyncio.to_thread(executable_problems, state.exec_paths)
+        readings = await self.host.read_devices()
+        host = self.host.registry().host()
+        return PreflightFacts(
+            unit=unit,
+            state=state,
+            unit_error=unit_error,
+            binaries=binaries,
+            label=f"{target.model.key}/{config.key}",
+            config=config,
+            device=target.device,
+            host=host,
+            host_reading=readings.get(host.key) if host is not None else None,
+            victims=target.victims,
+        )
+
     # ------------------------------------------------------------------ drain
 
     def _mark_draining(self, run: _Run, target: _Target) -> None:
@@ -842,12 +1122,15 @@ class Enforcer:
             run.record(STOP, True, "no victims")
             return
         run.victim_pids = frozenset(await self._pids_of(units))
+        await self._journal_step(run, target, STOP, units)
         for unit in units:
             run.stopped_units.append(unit)
             outcome = await self.units.stop_unit(unit, self.timeouts.stop_s)
             if not outcome.ok:
-                raise run.fail(STOP, f"{unit}: stop job {_outcome_text(outcome)}")
+                state = await self._state_text(unit)
+                raise run.fail(STOP, f"{unit}: stop job {_outcome_text(outcome)}; unit {state}")
         run.record(STOP, True, f"stopped {', '.join(units)}")
+        await self._journal_step(run, target, VERIFY_FREE)
 
     async def _pids_of(self, units: Iterable[str]) -> set[int]:
         pids: set[int] = set()
@@ -923,22 +1206,32 @@ class Enforcer:
         assert unit is not None and key is not None
         self.marks.expect_unit(unit, key, run.run_id)
         run.started_unit = unit
+        await self._journal_step(run, target, START)
         self._watch(unit)
         outcome = await self.units.start_unit(unit, self.timeouts.start_s)
         if not outcome.ok:
             state = await self._state_text(unit)
             raise run.fail(START, f"{unit}: start job {_outcome_text(outcome)}; unit {state}")
         run.record(START, True, f"started {unit}")
+        await self._journal_step(run, target, VERIFY_UP)
 
     async def _verify_up(self, run: _Run, target: _Target) -> None:
         unit = target.new_unit
         assert unit is not None and target.config is not None
         endpoint = target.model.endpoint_for(target.config)
-        healthy = await self._wait_up(unit, endpoint, self.timeouts.verify_up_s)
+        label = f"{target.model.key}/{target.config.key}"
+        bound = self.timeouts.verify_up_bound(label, target.config, self.timeouts.verify_up_s)
+        run.verify_up_bound = bound
+        healthy = await self._wait_up(unit, endpoint, bound.seconds)
         if healthy is not None:
-            raise run.fail(VERIFY_UP, healthy)
+            # The bound passed (or the unit went down): roll back at once, never wait more.
+            raise run.fail(VERIFY_UP, f"{healthy}; {bound.text()}")
         if endpoint is None:
-            run.record(VERIFY_UP, True, f"{unit} active; no endpoint in the registry to probe")
+            run.record(
+                VERIFY_UP,
+                True,
+                f"{unit} active; no endpoint in the registry to probe; {bound.text()}",
+            )
             return
         problem = await self._served_problem(target, endpoint)
         if problem is not None:
@@ -953,67 +1246,33 @@ class Enforcer:
         run.record(
             VERIFY_UP,
             True,
-            f"{unit} active, {endpoint} healthy, serves {target.requested}{checked}",
+            f"{unit} active, {endpoint} healthy, serves {target.requested}{checked}; "
+            f"{bound.text()}",
         )
 
     async def _wait_up(self, unit: str, endpoint: str | None, limit: float) -> str | None:
         """Wait until ``unit`` is active and its ``/health`` is 200; ``None`` when it is,
-        else why not. A unit that goes down ends the wait at once."""
-        started = time.monotonic()
-        deadline = started + limit
-        interval = self.timeouts.health_first_poll_s
-        event = self._watch(unit)
-        state = await self._fresh_state(unit)
-        while True:
-            event.clear()
-            if state is not None and state.active_state in _DOWN_STATES:
-                return f"{unit} went {_state_text(state)} while loading"
-            if state is not None and state.active_state == "active":
-                if endpoint is None:
-                    return None
-                remaining = deadline - time.monotonic()
-                probe_s = max(0.05, min(self.timeouts.http_s, remaining))
-                if await engines.health(endpoint, timeout_s=probe_s):
-                    return None
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                state_text = _state_text(state) if state is not None else "unknown"
-                return f"{unit} not healthy after {limit:g}s (unit {state_text})"
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), min(interval, remaining))
-            interval = min(interval * HEALTH_BACKOFF, self.timeouts.health_max_poll_s)
-            state = self._unit_states.get(unit) or await self._fresh_state(unit)
+        else why not. A unit that goes down ends the wait at once (:func:`verify.wait_up`)."""
+        return await verify.wait_up(
+            unit,
+            endpoint,
+            limit,
+            changed=self._watch(unit),
+            fresh_state=lambda: self._fresh_state(unit),
+            cached_state=lambda: self._unit_states.get(unit),
+            first_poll_s=self.timeouts.health_first_poll_s,
+            max_poll_s=self.timeouts.health_max_poll_s,
+            http_s=self.timeouts.http_s,
+        )
 
     async def _served_problem(self, target: _Target, endpoint: str) -> str | None:
         """``/v1/models`` must list the requested id, the model, its config or an advertised id."""
-        try:
-            served = await engines.served_ids(endpoint, timeout_s=self.timeouts.http_s)
-        except engines.EngineError as err:
-            return str(err)
-        accepted = {target.requested, target.model.key, *target.model.advertises}
-        if target.config is not None:
-            accepted.add(target.config.key)
-        if accepted.intersection(served):
-            return None
-        return (
-            f"{endpoint} serves [{', '.join(served) or 'nothing'}], not {target.requested} "
-            f"(nor any id {target.model.key} advertises)"
-        )
+        expect = verify.expectation(target.model, target.config, target.requested)
+        return await verify.served_problem(endpoint, expect, self.timeouts.http_s)
 
     async def _metrics_problem(self, policy: ServicePolicy, endpoint: str) -> str | None:
         """The capacity policy's ``metricsMustMatch`` against the engine's ``/metrics``."""
-        try:
-            seen = await engines.metrics(endpoint, timeout_s=self.timeouts.http_s)
-        except engines.EngineError as err:
-            return f"metricsMustMatch of service {policy.name}: {err}"
-        wrong = [
-            f"{key} is {seen.get(key, 'missing')!r}, policy wants {want!r}"
-            for key, want in policy.metrics_must_match.items()
-            if not _metric_matches(want, seen.get(key))
-        ]
-        if wrong:
-            return f"metricsMustMatch of service {policy.name}: {'; '.join(wrong)}"
-        return None
+        return await verify.metrics_problem(policy, endpoint, self.timeouts.http_s)
 
     # ------------------------------------------------------------------ refresh / resolve
 
@@ -1067,26 +1326,105 @@ class Enforcer:
             main_pid=(unit_state.main_pid or None) if unit_state is not None else None,
         )
 
+    # ------------------------------------------------------------------ journal
+
+    async def _journal_step(
+        self, run: _Run, target: _Target, step: str, stopping: Sequence[str] = ()
+    ) -> None:
+        """Make the run's intent and progress durable before ``step`` changes units.
+
+        A forward step that cannot be journaled fails (the run rolls back rather
+        than change units a crash could not repair); a rollback step goes on
+        regardless (undoing is never held back by the journal).
+        """
+        if self.journal is None:
+            return
+        try:
+            await self.journal.record(self._run_record(run, target, step, stopping))
+        except (OSError, ValueError, JournalError) as err:
+            why = f"cannot write the enforcement journal {self.journal.path}: {err}"
+            if step in (ROLLBACK_STOP, ROLLBACK_START):
+                log.error("%s %s: %s", run.run_id, step, why)
+                return
+            raise run.fail(step, why) from None
+
+    def _run_record(
+        self, run: _Run, target: _Target, step: str, stopping: Sequence[str]
+    ) -> RunRecord:
+        new = self._new_resident(target, target.config) if target.config is not None else None
+        accepted = [target.requested, target.model.key, *target.model.advertises]
+        if target.config is not None:
+            accepted.append(target.config.key)
+        failed = next((s for s in reversed(run.steps) if not s.ok), None)
+        return RunRecord(
+            run_id=run.run_id,
+            kind=target.kind,
+            requested=target.requested,
+            device=target.device,
+            placement_id=target.entry.id if target.entry is not None else None,
+            victims=target.victims,
+            new=new,
+            accepted_ids=tuple(dict.fromkeys(accepted)),
+            step=step,
+            started_at=run.started_at,
+            updated_at=self._clock(),
+            stopped_units=tuple(dict.fromkeys([*run.stopped_units, *stopping])),
+            started_unit=run.started_unit,
+            detail=f"{failed.name}: {failed.detail}" if failed is not None else "",
+            history=tuple(s.name for s in run.steps),
+        )
+
+    async def _journal_clear(self, run: _Run) -> None:
+        if self.journal is None:
+            return
+        try:
+            await self.journal.clear()
+        except OSError as err:  # recovery at the next start finds an ended run: no harm
+            log.error("%s: cannot clear the enforcement journal: %s", run.run_id, err)
+
     # ------------------------------------------------------------------ rollback
 
-    async def _rollback(self, run: _Run, target: _Target) -> tuple[bool, str]:
-        """Undo what ``run`` did. Returns (complete, observed state when not)."""
-        problems: list[str] = []
-        if run.started_unit is not None and not await self._stop_started(run, target, problems):
-            # Restarting the victims now could put two residents on one device.
-            self._clear(run, restarted=set())
-            return False, "; ".join(problems)
-        restarted = await self._restart_victims(run, target, problems)
-        self._clear(run, restarted)
-        return not problems, "; ".join(problems)
+    async def _rollback(
+        self, run: _Run, target: _Target
+    ) -> tuple[_Restore, tuple[RunningAfter, ...]]:
+        """Undo what ``run`` did: what could not be restored, and what runs at the end."""
+        restore = _Restore()
+        safe = True
+        if run.started_unit is not None:
+            await self._journal_step(run, target, ROLLBACK_STOP)
+            safe = await self._stop_started(run, target, restore)
+        if run.stopped_units:
+            if safe:
+                await self._journal_step(run, target, ROLLBACK_START)
+                await self._restart_victims(run, target, restore)
+            else:
+                self._leave_victims_down(run, restore)
+        running = await self._running_after(run, target)
+        self._clear(run, restore.restored, running)
+        return restore, running
 
-    async def _stop_started(self, run: _Run, target: _Target, problems: list[str]) -> bool:
+    async def _stop_started(self, run: _Run, target: _Target, restore: _Restore) -> bool:
+        """Stop the unit this run started; ``True`` once it is *seen* not running.
+
+        The stop job's result alone does not decide: a unit that does not exist
+        (the stop job errors) or is ``inactive``/``failed`` anyway is safe, and the
+        victims are restarted. Only a unit observed still up, or whose state cannot
+        be read, keeps them down (two residents must never share the device).
+        """
         unit = run.started_unit
         assert unit is not None
         outcome = await self.units.stop_unit(unit, self.timeouts.stop_s)
         state = await self._fresh_state(unit)
-        if outcome.ok and state is not None and state.active_state in _DOWN_STATES:
-            run.record(ROLLBACK_STOP, True, f"stopped {unit}, which this run started")
+        job = _outcome_text(outcome)
+        if state is not None and state.active_state in _DOWN_STATES:
+            seen = (
+                "does not exist" if state.load_state == "not-found" else f"is {_state_text(state)}"
+            )
+            run.record(
+                ROLLBACK_STOP,
+                True,
+                f"{unit}, which this run started, {seen} (stop job {job}): nothing of it runs",
+            )
             if target.new_key is not None:
                 stale = next(
                     (r for r in self.host.residents() if resident_key(r) == target.new_key), None
@@ -1095,44 +1433,209 @@ class Enforcer:
                     self.host.drop_resident(stale)
             return True
         state_text = _state_text(state) if state is not None else "state unknown"
-        observed = f"{unit} {state_text} (stop job {_outcome_text(outcome)})"
-        run.record(ROLLBACK_STOP, False, observed)
-        problems.append(f"{observed}; the victims were not restarted")
+        observed = f"{unit} still {state_text} after its stop job ({job})"
+        run.record(
+            ROLLBACK_STOP,
+            False,
+            f"{observed}: the victims stay stopped, two residents must never share {target.device}",
+        )
+        restore.problems.append(f"{observed}; the victims were not restarted")
+        restore.blocker = observed
         return False
 
-    async def _restart_victims(self, run: _Run, target: _Target, problems: list[str]) -> set[str]:
-        """Start every victim unit this run stopped; the units that are healthy again."""
-        healthy: set[str] = set()
+    def _leave_victims_down(self, run: _Run, restore: _Restore) -> None:
+        units = list(dict.fromkeys(run.stopped_units))
+        why = f"not restarted: {restore.blocker}"
+        for unit in units:
+            restore.unrestored[unit] = why
+        run.record(ROLLBACK_START, False, f"{', '.join(units)} {why}")
+
+    async def _restart_victims(self, run: _Run, target: _Target, restore: _Restore) -> None:
+        """Start every victim unit this run stopped, each with its own verify-up."""
         for unit in dict.fromkeys(run.stopped_units):
+            victim = next((v for v in target.victims if _unit_of(v) == unit), None)
+            label = victim.signature if victim is not None else unit
             outcome = await self.units.start_unit(unit, self.timeouts.start_s)
             if not outcome.ok:
                 state = await self._state_text(unit)
-                run.record(ROLLBACK_START, False, f"{unit}: start job {_outcome_text(outcome)}")
-                problems.append(f"{unit} {state}")
+                why = f"{unit}: start job {_outcome_text(outcome)}; unit {state}"
+                run.record(ROLLBACK_START, False, why)
+                restore.fail(unit, why)
                 continue
-            run.record(ROLLBACK_START, True, f"restarted {unit}")
-            endpoint = next((v.endpoint for v in target.victims if _unit_of(v) == unit), None)
-            why = await self._wait_up(unit, endpoint, self.timeouts.rollback_up_s)
-            if why is None:
-                run.record(ROLLBACK_VERIFY, True, f"{unit} healthy again")
-                healthy.add(unit)
+            run.record(ROLLBACK_START, True, f"restarted {unit} ({label})")
+            ok, detail = await self._verify_victim(unit, victim)
+            run.record(ROLLBACK_VERIFY, ok, detail)
+            if ok:
+                restore.restored.add(unit)
             else:
-                run.record(ROLLBACK_VERIFY, False, why)
-                problems.append(why)
-        return healthy
+                restore.fail(unit, detail)
 
-    def _clear(self, run: _Run, restarted: set[str]) -> None:
+    async def _verify_victim(self, unit: str, victim: Resident | None) -> tuple[bool, str]:
+        """The victim's own verify-up: health, served id, metrics policy; bounded by its
+        config's start facts (:meth:`Timeouts.verify_up_bound`, ``rollback_up_s`` else)."""
+        if victim is None:
+            bound = UpBound(self.timeouts.rollback_up_s, "default rollback_up_s")
+            why = await self._wait_up(unit, None, bound.seconds)
+            return why is None, why or f"{unit} active again; {bound.text()}"
+        model = self.host.registry().models.get(victim.model)
+        config = model.configs.get(victim.config) if model is not None else None
+        bound = self.timeouts.verify_up_bound(victim.signature, config, self.timeouts.rollback_up_s)
+        if model is not None:
+            expect = verify.expectation(model, config, None, self.host.service_policy(model))
+        else:
+            accepted = frozenset({victim.model, victim.config})
+            expect = verify.Expectation(victim.model, victim.model, accepted)
+        verdict = await verify.verify_up(
+            unit,
+            victim.endpoint,
+            expect,
+            bound.seconds,
+            changed=self._watch(unit),
+            fresh_state=lambda: self._fresh_state(unit),
+            cached_state=lambda: self._unit_states.get(unit),
+            first_poll_s=self.timeouts.health_first_poll_s,
+            max_poll_s=self.timeouts.health_max_poll_s,
+            http_s=self.timeouts.http_s,
+        )
+        if verdict.ok:
+            return True, f"{victim.signature} healthy again: {verdict.detail}; {bound.text()}"
+        return False, f"{verdict.detail}; {bound.text()}"
+
+    def _clear(self, run: _Run, restored: set[str], running: Sequence[RunningAfter]) -> None:
         """Clear this run's marks; put back the victims that run, drop the ones that do not."""
         cleared = self.marks.clear_run(run.run_id)
         stopped = set(run.stopped_units)
         for victim in run.victims:
             unit = _unit_of(victim)
-            if unit in stopped and unit not in restarted:
+            if unit in stopped and unit not in restored:
                 self.host.drop_resident(victim)
             else:
                 self.host.put_resident(victim)
         names = ", ".join(f"{m}/{c}" for m, c, _ in cleared) or "none"
-        run.record(ROLLBACK_CLEAR, True, f"draining marks cleared ({names})")
+        now = ", ".join(r.text() for r in running) or "nothing"
+        run.record(ROLLBACK_CLEAR, True, f"draining marks cleared ({names}); running now: {now}")
+
+    # ------------------------------------------------------------------ the end of a run
+
+    def _devices(self, target: _Target) -> list[str]:
+        return sorted({target.device, *(v.device for v in target.victims)})
+
+    def _published(self, target: _Target) -> tuple[RunningAfter, ...]:
+        """After a successful run: the residents on its device(s), as published."""
+        devices = self._devices(target)
+        return tuple(
+            RunningAfter(r.model, r.config, r.device, _unit_of(r), r.state.value)
+            for r in self.host.residents()
+            if r.device in devices
+        )
+
+    async def _running_after(self, run: _Run, target: _Target) -> tuple[RunningAfter, ...]:
+        """After a failed run: what runs on its device(s), read from systemd now.
+
+        Residents there, the victims and the new unit; a unit ``inactive`` or
+        ``failed`` is not running; one whose state cannot be read is listed as
+        ``state unknown`` (never assumed gone).
+        """
+        devices = self._devices(target)
+        seen: dict[tuple[str, str, str], str | None] = {}
+        for resident in [*self.host.residents(), *target.victims]:
+            if resident.device in devices:
+                seen.setdefault(
+                    (resident.model, resident.config, resident.device), _unit_of(resident)
+                )
+        if target.config is not None and target.new_unit is not None:
+            seen.setdefault((target.model.key, target.config.key, target.device), target.new_unit)
+        out: list[RunningAfter] = []
+        for (model, config, device), unit in seen.items():
+            if unit is None:
+                out.append(RunningAfter(model, config, device, None, "published, no unit"))
+                continue
+            state = await self._fresh_state(unit)
+            if state is not None and state.active_state in _DOWN_STATES:
+                continue
+            text = _state_text(state) if state is not None else "state unknown"
+            out.append(RunningAfter(model, config, device, unit, text))
+        return tuple(out)
+
+    def _alert_incomplete(
+        self,
+        run: _Run,
+        target: _Target,
+        failure: _StepFailed,
+        restore: _Restore,
+        running: Sequence[RunningAfter],
+    ) -> None:
+        """One critical ``rollback_incomplete`` alert per device left emptier than before."""
+        lost_by_device: dict[str, list[Resident]] = {}
+        for victim in run.victims:
+            if _unit_of(victim) in restore.unrestored:
+                lost_by_device.setdefault(victim.device, []).append(victim)
+        if not lost_by_device:  # nothing lost, but the new unit could not be stopped
+            lost_by_device[target.device] = []
+        for device, lost in sorted(lost_by_device.items()):
+            self._raise_safely(
+                AlertKind.ROLLBACK_INCOMPLETE,
+                Severity.CRITICAL,
+                device,
+                _incomplete_message(run, device, failure, restore, lost, running),
+                {
+                    "runId": run.run_id,
+                    "run": run.what,
+                    "placementId": target.entry.id if target.entry is not None else None,
+                    "failedStep": failure.step,
+                    "failure": failure.detail,
+                    "notRestored": [
+                        {
+                            "model": v.model,
+                            "config": v.config,
+                            "unit": _unit_of(v),
+                            "why": restore.unrestored.get(_unit_of(v) or "", ""),
+                        }
+                        for v in lost
+                    ],
+                    "problems": list(restore.problems),
+                    "runningAfter": [r.to_json() for r in running if r.device == device],
+                },
+            )
+
+    def _alert_unattended(
+        self, run: _Run, target: _Target, result: EnforcementResult, origin: str | None
+    ) -> None:
+        """A failed unattended run is an alert: nobody is watching its result."""
+        if origin is None or result.ok or result.rolled_back is False:
+            return  # done, attended, or already a critical rollback_incomplete alert
+        how = (
+            "failed and was rolled back"
+            if result.rolled_back
+            else "was refused before anything stopped"
+        )
+        running = ", ".join(r.text() for r in result.running_after or ()) or "nothing"
+        self._raise_safely(
+            AlertKind.ENFORCEMENT_FAILED,
+            Severity.WARNING,
+            target.requested,
+            f"{origin}: {run.what} {how}: {result.error}. Running now: {running}.",
+            {
+                "runId": run.run_id,
+                "run": run.what,
+                "origin": origin,
+                "error": result.error,
+                "runningAfter": [r.to_json() for r in result.running_after or ()],
+            },
+        )
+
+    def _raise_safely(
+        self,
+        kind: AlertKind,
+        severity: Severity,
+        subject: str,
+        message: str,
+        detail: Mapping[str, Any],
+    ) -> None:
+        try:
+            self.host.raise_alert(kind, severity, subject, message, detail)
+        except Exception:  # the run's result still reports it; never lose the run for this
+            log.exception("could not raise the %s alert for %s: %s", kind.value, subject, message)
 
     def _release_marks(self, run: _Run) -> None:
         """Whatever happened (cancellation included), no mark outlives its run."""
@@ -1168,6 +1671,231 @@ class Enforcer:
         return _state_text(state) if state is not None else "state unknown"
 
 
+# --------------------------------------------------------------------------- rollback
+
+
+@dataclass
+class _Restore:
+    """What a rollback could not put back."""
+
+    restored: set[str] = field(default_factory=set)
+    """Victim units running and verified again."""
+    unrestored: dict[str, str] = field(default_factory=dict)
+    """Victim unit → why it is not running verified."""
+    problems: list[str] = field(default_factory=list)
+    """Every observed problem, in order (the ``ROLLBACK INCOMPLETE: …`` text)."""
+    blocker: str = ""
+    """Why the victims were not restarted at all (the new unit seen still up)."""
+
+    @property
+    def complete(self) -> bool:
+        return not self.problems
+
+    def fail(self, unit: str, why: str) -> None:
+        self.unrestored[unit] = why
+        self.problems.append(why)
+
+
+def _unattended(target: _Target, wait: bool, origin: str | None) -> str | None:
+    """Who runs this unattended, or ``None`` for an operator's call.
+
+    ``origin`` when a caller names itself (a notification click); otherwise a
+    queued (``wait=True``) run is a background one: the auto runner applies, the
+    idle sweep unloads (the only two callers that queue).
+    """
+    if origin is not None:
+        return origin
+    if not wait:
+        return None
+    return {"apply": "auto-load", "unload": "idle unload"}.get(target.kind, "background run")
+
+
+def _incomplete_message(
+    run: _Run,
+    device: str,
+    failure: _StepFailed,
+    restore: _Restore,
+    lost: Sequence[Resident],
+    running: Sequence[RunningAfter],
+) -> str:
+    if lost:
+        what = "; ".join(
+            f"{v.signature} ({_unit_of(v)}): {restore.unrestored.get(_unit_of(v) or '', '')}"
+            for v in lost
+        )
+        had = ", ".join(v.signature for v in lost)
+    else:
+        what = "; ".join(restore.problems)
+        had = "its residents"
+    here = [r for r in running if r.device == device]
+    now = (
+        f"{device} now runs {', '.join(r.text() for r in here)}"
+        if here
+        else f"{device} is now EMPTY (it had {had})"
+    )
+    return (
+        f"{ROLLBACK_INCOMPLETE} on {device}: {run.what} failed at {failure.step} "
+        f"({failure.detail}) and could not restore {what}. {now}. Rollback is tried once, "
+        "never looped: start the units by hand once the cause is fixed."
+    )
+
+
+# --------------------------------------------------------------------------- preflight
+
+
+@dataclass(frozen=True)
+class PreflightFacts:
+    """What the preflight looked at for the unit a run is about to start."""
+
+    unit: str
+    state: UnitState | None
+    """``None`` when the user manager could not be asked (``unit_error`` says why)."""
+    unit_error: str
+    binaries: Mapping[str, str]
+    """Each ``ExecStart=`` binary → what is wrong with it ("" when it is executable)."""
+    label: str
+    """``model/config`` of what starts."""
+    config: Config
+    device: str
+    host: Device | None
+    """The registry's ``cpu`` device (the host-RAM gate), ``None`` when it has none."""
+    host_reading: DeviceReading | None
+    victims: tuple[Resident, ...]
+
+
+def preflight_problems(facts: PreflightFacts) -> list[str]:
+    """Every reason the run must not stop anything, each naming unit/field and why.
+
+    Empty when the new unit is ``loaded`` with executable ``ExecStart=`` binaries,
+    its config is measured for this machine on the target device, and its
+    ``host_rss_mib`` fits the host's available RAM plus what the victims free,
+    minus the host reserve (the planner's host-RAM gate, on a fresh reading).
+    """
+    return [*_unit_problems(facts), *_measured_problems(facts), *_host_ram_problems(facts)]
+
+
+def preflight_summary(facts: PreflightFacts) -> str:
+    """The passing preflight's detail: the facts it checked."""
+    binaries = ", ".join(facts.binaries) or "none"
+    config = facts.config
+    parts = [
+        f"{facts.unit} loaded, ExecStart {binaries} executable",
+        f"{facts.label} measured on {config.measured_on} ({config.measured_at})",
+    ]
+    room = _host_room(facts)
+    if room is not None:
+        parts.append(
+            f"host RAM: needs {config.host_rss_mib or 0:,.0f} MiB, "
+            f"{room:,.0f} MiB available once the victims stop"
+        )
+    return "; ".join(parts)
+
+
+def _unit_problems(facts: PreflightFacts) -> list[str]:
+    unit, state = facts.unit, facts.state
+    if state is None:
+        return [f"unit {unit}: its state cannot be read from the user manager ({facts.unit_error})"]
+    if state.load_state != "loaded":
+        why = f": {state.load_error}" if state.load_error else ""
+        hint = (
+            " (no unit file: install it in the user unit directory, then daemon-reload)"
+            if state.load_state == "not-found"
+            else ""
+        )
+        return [
+            f"unit {unit}: LoadState is {state.load_state or 'unknown'!r}, not 'loaded'{why}{hint}"
+        ]
+    if not state.exec_paths:
+        return [f"unit {unit}: no ExecStart= command, so nothing would start"]
+    return [
+        f"unit {unit}: ExecStart binary {path} {problem}"
+        for path, problem in facts.binaries.items()
+        if problem
+    ]
+
+
+def _measured_problems(facts: PreflightFacts) -> list[str]:
+    config, label, device = facts.config, facts.label, facts.device
+    if not config.is_measured:
+        return [f"{label}: not measured for this machine ({_unmeasured_why(config)})"]
+    if config.measured_on != device:
+        where = config.measured_on or "no named device"
+        return [f"{label}: measured_on is {where}, not {device}: its cost on {device} is unknown"]
+    return []
+
+
+def _unmeasured_why(config: Config) -> str:
+    if config.untrusted:
+        return config.untrusted
+    if config.status is not ConfigStatus.MEASURED:
+        return f"status is {config.status.value}"
+    missing = [
+        name
+        for name, value in (
+            ("measured_at", config.measured_at),
+            ("resident_gpu_mib", config.resident_gpu_mib),
+            ("host_rss_mib", config.host_rss_mib),
+        )
+        if value is None
+    ]
+    return f"no {', '.join(missing)}" if missing else "not placeable"
+
+
+def _host_room(facts: PreflightFacts) -> float | None:
+    """Host MiB available to the new config once the victims stop; ``None``: unknown."""
+    host, reading = facts.host, facts.host_reading
+    if host is None or reading is None or reading.source is ProbeSource.ABSENT:
+        return None
+    freed = sum(v.host_rss_mib or 0.0 for v in facts.victims)
+    return reading.free_mib + freed - host.reserved_mib
+
+
+def _host_ram_problems(facts: PreflightFacts) -> list[str]:
+    need = facts.config.host_rss_mib
+    if need is None:
+        return []  # unmeasured: already named by the measured check
+    if facts.host is None:
+        return [f"host RAM gate: the registry has no cpu device, so {facts.label} is unchecked"]
+    room = _host_room(facts)
+    if room is None:
+        why = facts.host_reading.error if facts.host_reading is not None else None
+        return [f"host RAM gate: no reading of {facts.host.key} ({why or 'absent'})"]
+    if need > room + 1e-6:
+        reading = facts.host_reading
+        assert reading is not None
+        freed = sum(v.host_rss_mib or 0.0 for v in facts.victims)
+        return [
+            f"host RAM gate: {facts.label} needs {need:,.0f} MiB host RAM; {facts.host.key} has "
+            f"{reading.free_mib:,.0f} MiB available + {freed:,.0f} MiB the victims free − "
+            f"{facts.host.reserved_mib:,} MiB reserve = {room:,.0f} MiB"
+        ]
+    return []
+
+
+def executable_problems(paths: Iterable[str]) -> dict[str, str]:
+    """Each path → "" when it is an executable regular file, else what is wrong (blocking)."""
+    out: dict[str, str] = {}
+    for path in paths:
+        out[path] = _executable_problem(path)
+    return out
+
+
+def _executable_problem(path: str) -> str:
+    if not os.path.isabs(path):
+        return "is not an absolute path"
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file"
+    if not os.access(path, os.X_OK):
+        return "is not executable"
+    return ""
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -1199,14 +1927,6 @@ def _option_text(option: Option) -> str:
     if option.victims:
         text += f", stopping {', '.join(option.signature)}"
     return text
-
-
-def _metric_matches(want: str | int | float, seen: str | float | None) -> bool:
-    if seen is None:
-        return False
-    if isinstance(want, int | float) and isinstance(seen, int | float):
-        return float(want) == float(seen)
-    return str(want).strip().lower() == str(seen).strip().lower()
 
 
 # --------------------------------------------------------------------------- wiring
@@ -1244,8 +1964,9 @@ async def attach_enforcement(
     """Connect to the user manager and give ``controller`` its enforcer and measurer.
 
     Residents then follow the units (:class:`~uapplace.unitsync.UnitSync`, synced
-    once now). The controller gets its enforcer and measurer only once all of
-    that has started. Raises :class:`~uapplace.units.UnitError` when the user
+    once now). Before that sync, a run the journal shows cut short by a crash is
+    repaired (:func:`uapplace.recovery.recover`). The controller gets its
+    enforcer and measurer only once all of that has started. Raises :class:`~uapplace.units.UnitError` when the user
     manager is unreachable, :class:`~uapplace.registry.ConfigFileError` for a bad
     ``enforcement-timeouts.json``, and whatever the first sync raised; then
     ``controller`` gets no enforcer or measurer, the unit sync is closed and the
@@ -1257,7 +1978,10 @@ async def attach_enforcement(
     manager = units or UnitManager()
     host = ControllerHost(controller)
     marks = EnforcementMarks()
-    enforcer = Enforcer(host, manager, timeouts=timeouts, refresher=refresher, marks=marks)
+    journal = Journal(paths.enforcement_journal, crash_at=paths.test_crash_at)
+    enforcer = Enforcer(
+        host, manager, timeouts=timeouts, refresher=refresher, marks=marks, journal=journal
+    )
     sync = UnitSync(host, manager, marks, http_s=timeouts.http_s)
 
     async def after_measure() -> None:
@@ -1267,6 +1991,9 @@ async def attach_enforcement(
     measurer = Measurer(paths, host, manager, http_s=timeouts.http_s, after_write=after_measure)
     try:
         await manager.connect()
+        # A run a crash cut short is repaired before the sync publishes any unit
+        # and before the controller accepts a new run (uapplace.recovery).
+        await recover(journal, ControllerRecoveryHost(controller), manager, timeouts=timeouts)
         await sync.start()
     except BaseException:
         await sync.close()

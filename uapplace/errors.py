@@ -60,7 +60,7 @@ class InvalidArgument(PlacementFailure):
 
 
 class Failed(PlacementFailure):
-    """Anything else that went wrong, including features not built yet."""
+    """Anything else that went wrong (a failed run, machinery that is not available)."""
 
     short = "Failed"
 
@@ -76,11 +76,6 @@ ALL_ERRORS: tuple[type[PlacementFailure], ...] = (
 )
 
 
-def not_implemented(method: str) -> Failed:
-    """The honest answer of a method whose collaborator has not been built yet."""
-    return Failed(f"{method} is not implemented yet (enforcement lands in a later issue)")
-
-
 def unavailable(method: str, why: str) -> Failed:
-    """A method whose collaborator exists but could not be started (no user manager)."""
+    """A method whose collaborator is not there: no user manager, or not wired yet."""
     return Failed(f"{method} is not available: {why}")

@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 import psutil
 
 from uapplace.auto import COOLDOWN_S, AutoPolicy, PendingBook, PolicySource
-from uapplace.errors import NotFound
+from uapplace.errors import Drifted, NotFound
 from uapplace.model import Holder, Registry, Resident, ResidentState
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,9 @@ class IdleHost(Protocol):
 class Unloader(Protocol):
     """``uapplace.enforce.Enforcer``: the operator's drained, verified unload."""
 
-    async def unload(self, model: str, *, wait: bool = False) -> Mapping[str, Any]: ...
+    async def unload(
+        self, model: str, expected: Sequence[str], *, wait: bool = False
+    ) -> Mapping[str, Any]: ...
 
 
 ConnectionScan = Callable[[], Collection[int]]
@@ -187,7 +189,10 @@ class IdleSweep:
             if why is not None:
                 report.skipped[model] = why
                 continue
-            outcome = await self._unload(model)
+            # The signature of what this tick judged idle: a different set by the time
+            # the unload runs is Drifted, never stopped.
+            judged = self._residents_by_model().get(model, [])
+            outcome = await self._unload(model, sorted(r.signature for r in judged))
             if outcome is None:
                 report.skipped[model] = "no longer resident when its unload ran"
             elif outcome:
@@ -276,16 +281,17 @@ class IdleSweep:
         self.host.usage[model] = now
         self.host.mark_dirty(urgent=False)
 
-    async def _unload(self, model: str) -> bool | None:
+    async def _unload(self, model: str, signature: Sequence[str]) -> bool | None:
         """True: unloaded. False: refused or failed (cooldown). None: it was already gone."""
         log.warning("idle sweep: unloading %s (idle past its window, under unload_allow)", model)
         try:
-            result = await self.unloader.unload(model, wait=True)
+            result = await self.unloader.unload(model, signature, wait=True)
             ok = result.get("ok") is True
             detail = result.get("error", "no detail")
-        except NotFound as err:
-            # Stopped by someone else (an operator, an auto-load's displacement) while
-            # this unload waited its turn: nothing failed, so no cooldown.
+        except (NotFound, Drifted) as err:
+            # Stopped (or changed) by someone else (an operator, an auto-load's
+            # displacement) while this unload waited its turn: nothing failed, so no
+            # cooldown; the next tick judges what is resident then.
             log.info("idle sweep: %s", err)
             return None
         except Exception as err:

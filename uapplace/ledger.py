@@ -10,7 +10,13 @@ newer one.
 A file that is not valid JSON or not the §4.2 shape is moved aside to
 ``placement.json.corrupt-<UTC timestamp>`` (never overwritten, never deleted),
 :attr:`Ledger.last_error` says where it went, and work continues from an empty
-document.
+document. "The file as a whole" is judged strictly (:class:`LedgerFileError`): over
+16 MiB, nested deeper than 64 levels, not JSON, not an object, a wrong ``version``
+or ``updated_at`` (:mod:`uapplace.jsonfile`). Everything below that is judged item by
+item: a pending entry with an unknown field, a resident with a NaN ``gpu_mib``, a
+device, alert, usage or cooldown that does not validate is dropped alone, logged and
+listed in :attr:`LedgerDoc.dropped`; the rest is kept (:func:`doc_from_file_json`).
+Numbers that are not finite are refused everywhere; nothing writes a bare ``NaN``.
 
 All calls here block on file I/O and the lock: the daemon runs them in a thread
 (``asyncio.to_thread``), never on the loop that answers ``Admit``.
@@ -29,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -39,10 +45,15 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
 )
 
+from uapplace import jsonfile
 from uapplace.alerts import Alert, AlertKind, Severity
+from uapplace.jsonfile import ConfigFileError
+from uapplace.jsonfile import atomic_write as atomic_write  # re-exported: its old home
+from uapplace.jsonfile import fsync_directory as _fsync_directory  # noqa: F401  (old name)
 from uapplace.model import (
     DEFAULT_CELLS,
     DeviceKind,
@@ -116,41 +127,14 @@ def exclusive_lock(
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def atomic_write(path: Path, text: str, mode: int = 0o600, sync: bool = True) -> None:
-    """Replace ``path`` with ``text`` so that a reader sees the old or the new file, whole.
+def describe_validation_error(err: ValidationError, prefix: Sequence[int | str] = ()) -> str:
+    """``residents[0].state: Input should be 'hot', …; usage.m: …`` (at most five).
 
-    Writes ``<path>.tmp-<pid>``; with ``sync``, fsyncs it before the rename and the
-    directory after, so a crash leaves one of the two versions on disk too.
+    ``prefix`` roots the paths when the validated value sits inside a larger document.
     """
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            os.fchmod(out.fileno(), mode)  # a stale tmp file kept its old mode
-            out.write(text)
-            out.flush()
-            if sync:
-                os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if sync:
-        _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def describe_validation_error(err: ValidationError) -> str:
-    """``residents[0].state: Input should be 'hot', …; usage.m: …`` (at most five)."""
     problems = [
-        f"{json_path(e['loc'])}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors()
+        f"{json_path((*prefix, *e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+        for e in err.errors()
     ]
     shown = problems[:_MAX_ERRORS_SHOWN]
     if len(problems) > len(shown):
@@ -189,10 +173,19 @@ class LedgerDoc:
     """Model → POSIX seconds until which auto-load / idle-unload leave it alone."""
     alerts: list[Alert] = field(default_factory=list)
     """Open alerts (:mod:`uapplace.alerts`), kept until acknowledged."""
+    dropped: list[str] = field(default_factory=list, compare=False)
+    """Read from a file: one line per item that was invalid and dropped alone (a pending
+    entry, a resident, a device, an alert, a usage or cooldown key, an unknown top-level
+    field). Never written."""
 
 
 class LedgerFormatError(ValueError):
     """JSON that is not the spec §4.2 shape; the message names the JSON path."""
+
+
+class LedgerFileError(ConfigFileError, LedgerFormatError):
+    """The ledger file as a whole cannot be used: too large, nested too deep, not JSON,
+    not an object, a bad ``version`` or ``updated_at``. The file is moved aside."""
 
 
 def _iso_seconds(value: Any) -> float:
@@ -217,7 +210,8 @@ IsoText = Annotated[str, AfterValidator(_iso_text)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # NaN / ±inf are refused: one NaN gpu_mib made every preview and park fail.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 class _ProcessJson(_Strict):
@@ -523,15 +517,121 @@ def doc_from_json(data: Any) -> LedgerDoc:
     )
 
 
-def parse_ledger_text(raw: bytes) -> LedgerDoc:
-    """File bytes → document. Raises :class:`LedgerFormatError`."""
+class _LedgerHeadJson(_Strict):
+    """What a file must get right as a whole; everything else is checked item by item."""
+
+    version: Literal[1]
+    updated_at: IsoSeconds
+
+
+_ITEM_SCHEMAS: dict[str, type[_Strict]] = {
+    "devices": _DeviceJson,
+    "residents": _ResidentJson,
+    "pending": _PendingJson,
+    "alerts": _AlertJson,
+}
+_ITEM_NAMES = {
+    "devices": "device",
+    "residents": "resident",
+    "pending": "pending entry",
+    "usage": "usage time",
+    "cooldowns": "cooldown",
+    "alerts": "alert",
+}
+_ITEM_DEPTH = jsonfile.MAX_DEPTH - 2
+"""An item sits two levels down (document → list or map → item)."""
+
+
+def doc_from_file_json(data: Any, file: Path) -> LedgerDoc:
+    """Like :func:`doc_from_json`, but an invalid item is dropped alone, with a line in
+    :attr:`LedgerDoc.dropped`.
+
+    A pending entry with an unknown field, a resident with a NaN ``gpu_mib``, a usage
+    time that is not a time: each goes, the rest of the ledger stays. Raises
+    :class:`LedgerFileError` only when the document itself is unusable (not an object,
+    a wrong ``version`` or ``updated_at``).
+    """
+    if not isinstance(data, dict):
+        problem = jsonfile.first_problem(data)
+        reason = problem[1] if problem else f"expected a JSON object, got {type(data).__name__}"
+        raise LedgerFileError(file, "$", reason)
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise LedgerFormatError(f"not UTF-8 text: {err}") from None
-    except json.JSONDecodeError as err:
-        raise LedgerFormatError(f"invalid JSON: {err}") from None
-    return doc_from_json(data)
+        head = _LedgerHeadJson.model_validate(
+            {k: data[k] for k in ("version", "updated_at") if k in data}
+        )
+    except ValidationError as err:
+        raise LedgerFileError(file, "$", describe_validation_error(err)) from None
+    dropped = [
+        f"{key}: unknown top-level field, ignored"
+        for key in data
+        if key not in _LedgerJson.model_fields
+    ]
+    items = {
+        name: _valid_items(name, data.get(name), dropped)
+        for name in ("devices", "residents", "pending", "usage", "cooldowns", "alerts")
+    }
+    return LedgerDoc(
+        version=head.version,
+        updated_at=head.updated_at,
+        devices={key: _reading(key, d) for key, d in items["devices"]},
+        residents=[_resident(r) for _, r in items["residents"]],
+        pending=[_pending(p) for _, p in items["pending"]],
+        usage=dict(items["usage"]),
+        cooldowns=dict(items["cooldowns"]),
+        alerts=[_alert(a) for _, a in items["alerts"]],
+        dropped=[f"{file}: {line}" for line in dropped],
+    )
+
+
+_ISO_SECONDS: TypeAdapter[float] = TypeAdapter(IsoSeconds)
+
+
+def _valid_items(name: str, raw: Any, dropped: list[str]) -> list[tuple[Any, Any]]:
+    """``(key or index, parsed item)`` for each valid item of the list or map ``name``."""
+    keyed = name in ("devices", "usage", "cooldowns")
+    if raw is None:
+        return []
+    if not isinstance(raw, dict if keyed else list):
+        expected = "an object" if keyed else "a list"
+        dropped.append(f"{name}: expected {expected}, got {type(raw).__name__}; ignored whole")
+        return []
+    pairs = list(raw.items()) if isinstance(raw, dict) else list(enumerate(raw))
+    out: list[tuple[Any, Any]] = []
+    for key, value in pairs:
+        try:
+            out.append((key, _valid_item(name, key, value)))
+        except LedgerFormatError as err:
+            dropped.append(f"{err}; dropped this {_ITEM_NAMES[name]} alone")
+    return out
+
+
+def _valid_item(name: str, key: str | int, value: Any) -> Any:
+    problem = jsonfile.first_problem(value, _ITEM_DEPTH)
+    if problem is not None:
+        inner, reason = problem
+        raise LedgerFormatError(f"{json_path((name, key))}{inner.removeprefix('$')}: {reason}")
+    schema = _ITEM_SCHEMAS.get(name)
+    try:
+        if schema is None:
+            return _ISO_SECONDS.validate_python(value)
+        return schema.model_validate(value)
+    except ValidationError as err:
+        raise LedgerFormatError(describe_validation_error(err, (name, key))) from None
+
+
+def parse_ledger_text(raw: bytes, file: Path = Path("placement.json")) -> LedgerDoc:
+    """File bytes → document, dropping invalid items alone (see :func:`doc_from_file_json`).
+
+    Raises :class:`LedgerFileError` (a :class:`LedgerFormatError` and a
+    :class:`~uapplace.jsonfile.ConfigFileError`) for a file that is not JSON, nested
+    deeper than 64 levels, or not a usable document. Non-finite numbers and duplicate
+    keys are judged item by item (``first_problem`` on each), so they drop one item.
+    """
+    try:
+        data = jsonfile.parse_json(raw, file, item_checks=True)
+    except ConfigFileError as err:
+        raise LedgerFileError(err.file, err.json_path, err.message) from None
+    return doc_from_file_json(data, file)
 
 
 # --------------------------------------------------------------------------- the file
@@ -576,18 +676,25 @@ class Ledger:
             doc = self._load_or_move_aside()
             result = fn(doc)
             doc.updated_at = time.time()
-            text = json.dumps(doc_to_json(doc), indent=2) + "\n"
+            text = jsonfile.dumps(doc_to_json(doc), indent=2) + "\n"
             atomic_write(self.path, text, mode=0o600, sync=True)
         return result
 
     # ----------------------------------------------------------------- internals
 
     def _load(self) -> LedgerDoc:
+        """Raises :class:`LedgerFormatError` (a :class:`LedgerFileError` for the file as a
+        whole: over :data:`~uapplace.jsonfile.LEDGER_MAX_BYTES`, too deep, not JSON)."""
         try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
+            raw = jsonfile.read_capped_or_none(self.path, jsonfile.LEDGER_MAX_BYTES)
+        except ConfigFileError as err:
+            raise LedgerFileError(err.file, err.json_path, err.message) from None
+        if raw is None:
             return LedgerDoc()
-        return parse_ledger_text(raw)
+        doc = parse_ledger_text(raw, self.path)
+        for line in doc.dropped:
+            log.warning("ledger: %s", line)
+        return doc
 
     def _load_or_move_aside(self) -> LedgerDoc:
         """Caller holds the lock."""
@@ -603,14 +710,7 @@ class Ledger:
             return LedgerDoc()
 
     def _move_aside(self) -> Path:
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
-        serial = 1
-        while target.exists():
-            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}.{serial}")
-            serial += 1
-        os.rename(self.path, target)
-        return target
+        return jsonfile.move_aside(self.path)
 
     def _ensure_directory(self) -> None:
         directory = self.path.parent

@@ -145,8 +145,11 @@ class Measurer:
             "host_rss_mib": round(rss, 1),
             "measured_at": iso(now),
             "measured_on": seen.device,
+            "measured_device": _device_identity(seen.reading),
             "host_free_mib": round(host_free, 1),
         }
+        if found.engine_build is not None:
+            fields["engine_build"] = found.engine_build
         reason = (
             f"derived by `uapplace measure` at {iso(now)}: total "
             f"{seen.reading.total_mib:,.0f} − free {seen.reading.free_mib:,.0f} − "
@@ -393,3 +396,17 @@ def _command(pid: int) -> str:
 
 def _host_free_mib() -> float:
     return psutil.virtual_memory().available / MIB
+
+
+def _device_identity(reading: DeviceReading) -> dict[str, Any]:
+    """The card the figures were taken on (name, UUID, total MiB), for ``measured_on``.
+
+    The registry compares it with the live probe at every load: a measurement taken on
+    another device class counts as unknown (spec §4.1 "``measured_on`` gates reuse").
+    """
+    identity: dict[str, Any] = {"total_mib": round(reading.total_mib)}
+    if reading.uuid:
+        identity["uuid"] = reading.uuid
+    if reading.name:
+        identity["name"] = reading.name
+    return identity

@@ -11,8 +11,9 @@ What is counted where:
   latency by method, bus errors by method and error name, HTTP responses by
   route and status. Enforcements started elsewhere (CLI, auto policy) are not in
   ``uapplace_shim_enforcements_total``: the shim counts what it carried.
-- Gauges (pending entries, residents by state, device memory) are read from the
-  daemon's ``GetState`` at scrape time, so they are never stale;
+- Gauges (pending entries, residents by state, device memory, open alerts by
+  kind/severity, ROLLBACK INCOMPLETE occurrences) are read from the daemon's
+  ``GetState`` at scrape time, so they are never stale;
   ``uapplace_daemon_up`` says whether that read worked.
 """
 
@@ -144,6 +145,50 @@ def state_gauges(state: Mapping[str, Any] | None) -> list[str]:
         [({"state": name}, count) for name, count in by_state.items()],
     )
     lines += device_gauges(state.get("devices"))
+    lines += alert_gauges(state.get("alerts"))
+    return lines
+
+
+ROLLBACK_INCOMPLETE_KIND = "rollback_incomplete"
+
+
+def alert_gauges(alerts: object) -> list[str]:
+    """Open alerts (``GetState.alerts``: raised and not yet acknowledged) by kind and severity.
+
+    ``uapplace_alerts_open`` counts alerts; ``uapplace_alert_occurrences`` counts
+    the raises folded into them (an alert repeated for the same subject bumps its
+    ``count``). ``uapplace_rollback_incomplete`` is the occurrences of
+    ``rollback_incomplete`` alone and is always present (0 when none), so a rule
+    ``uapplace_rollback_incomplete > 0`` pages until someone acknowledges.
+    """
+    open_by: dict[tuple[str, str], int] = {}
+    raised_by: dict[tuple[str, str], int] = {}
+    incomplete = 0
+    for alert in alerts if isinstance(alerts, list) else []:
+        if not isinstance(alert, dict):
+            continue
+        key = (str(alert.get("kind", "unknown")), str(alert.get("severity", "unknown")))
+        count = alert.get("count", 1)
+        times = count if isinstance(count, int) and not isinstance(count, bool) else 1
+        open_by[key] = open_by.get(key, 0) + 1
+        raised_by[key] = raised_by.get(key, 0) + times
+        if key[0] == ROLLBACK_INCOMPLETE_KIND:
+            incomplete += times
+    lines = gauge(
+        "uapplace_alerts_open",
+        "Open (unacknowledged) alerts by kind and severity.",
+        [({"kind": k, "severity": sev}, n) for (k, sev), n in sorted(open_by.items())],
+    )
+    lines += gauge(
+        "uapplace_alert_occurrences",
+        "Raises folded into the open alerts (repeats for one subject count), by kind and severity.",
+        [({"kind": k, "severity": sev}, n) for (k, sev), n in sorted(raised_by.items())],
+    )
+    lines += gauge(
+        "uapplace_rollback_incomplete",
+        "ROLLBACK INCOMPLETE runs among the open alerts (a device left emptier than before).",
+        [({}, incomplete)],
+    )
     return lines
 
 

@@ -56,6 +56,15 @@ class Device:
     """Per field name: which registry file it came from."""
 
 
+@dataclass(frozen=True)
+class DeviceIdentity:
+    """What identifies a device class for a measurement: name, UUID, total memory."""
+
+    name: str | None = None
+    uuid: str | None = None
+    total_mib: int | None = None
+
+
 class ConfigStatus(StrEnum):
     MEASURED = "measured"
     UNMEASURED = "unmeasured"
@@ -82,12 +91,26 @@ class Config:
     """Overrides the model's unit when this config runs under its own unit."""
     endpoint: str | None = None
     provenance: Provenance = "repo"
+    measured_device: DeviceIdentity | None = None
+    """The device the figures were taken on, as ``measure`` saw it (spec §4.1 ``measured_on``)."""
+    engine_build: str | None = None
+    """The engine build the figures were taken with, where ``measure`` recorded one."""
+    untrusted: str = ""
+    """Why the figures do not count on this machine (repo-only, another device or build);
+    empty when they do. Set by the registry loader, never by hand."""
+    start_s: float | None = None
+    """Measured cold start: seconds from the start job until ``/health`` is 200 on this
+    machine. Enforcement derives its verify-up bound from it (``enforce.Timeouts``)."""
+    start_timeout_s: float | None = None
+    """The operator's explicit verify-up bound for this config when no start is measured."""
 
     @property
     def is_measured(self) -> bool:
-        """Placeable at all: a measurement exists for both the GPU and the host figure."""
+        """Placeable at all: a measurement for both the GPU and the host figure that counts
+        on this machine (machine-local, taken on this device class and engine build)."""
         return (
             self.status is ConfigStatus.MEASURED
+            and not self.untrusted
             and self.measured_at is not None
             and self.resident_gpu_mib is not None
             and self.host_rss_mib is not None
@@ -129,6 +152,8 @@ class Model:
     task_affinity: tuple[str, ...] = ()
     affinity_devices: tuple[str, ...] = ()
     advertises: tuple[str, ...] = ()
+    engine_build: str | None = None
+    """The engine build installed now; a config measured with another build is unknown."""
 
     def unit_for(self, config: Config) -> str | None:
         return config.unit or self.unit
@@ -195,6 +220,8 @@ class DeviceReading:
     processes: tuple[ProcessUsage, ...] = ()
     uuid: str | None = None
     error: str | None = None
+    name: str | None = None
+    """The device's product name where the probe reads one (NVML, the simulated GPU)."""
 
 
 # --------------------------------------------------------------------------- ledger
@@ -250,6 +277,8 @@ class ParkReason(StrEnum):
     AUTO_LOADING = "auto_loading"
     AUTO_FAILED = "auto_failed"
     INVALID_REQUEST = "invalid_request"
+    WARMING = "warming"
+    """A resident serves the id but has not passed verify-up in this daemon's life yet."""
 
 
 # --------------------------------------------------------------------------- planner

@@ -38,6 +38,7 @@ from uapplace.model import (
     ResidentState,
     Victim,
 )
+from uapplace.textsafe import printable
 
 log = logging.getLogger(__name__)
 
@@ -229,9 +230,9 @@ def render(bubble: Bubble, markup: bool, now: float) -> Rendered:
         actions += [key, action_label(option)]
     dismissals = {dismiss_key(entry.id): entry.id}
     actions += [dismiss_key(entry.id), "Dismiss"]
-    body = body_text(plan)
+    body = printable(body_text(plan), keep_newlines=True)  # names come from Admit callers
     return Rendered(
-        summary=summary_text(bubble.model, bubble.clients()),
+        summary=printable(summary_text(bubble.model, bubble.clients())),
         body=html.escape(body, quote=False) if markup else body,
         actions=tuple(actions),
         hints={
@@ -361,6 +362,7 @@ class Notifier:
             if not await self._ready() or self._bus is None:
                 return
             hints = {"urgency": Variant("y", URGENCY_CRITICAL if critical else URGENCY_NORMAL)}
+            summary, body = printable(summary), printable(body, keep_newlines=True)
             message = _notifications_call(
                 "Notify",
                 "susssasa{sv}i",
@@ -586,19 +588,26 @@ class Notifier:
         )
 
     def _spawn(self, callback: Awaitable[None], key: str) -> None:
-        task = asyncio.get_running_loop().create_task(_guarded(callback, key))
+        task = asyncio.get_running_loop().create_task(self._guarded(callback, key))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _guarded(self, callback: Awaitable[None], key: str) -> None:
+        """Run a click; a refusal (Drifted, Busy, NotAuthorized, a failed run …) is answered
+        with a bubble saying why, since the person who clicked has no terminal to read."""
+        try:
+            await callback
+        except PlacementFailure as err:
+            log.warning("notification action %s refused: %s: %s", key, type(err).__name__, err)
+            await self.message(refusal_summary(key, err), str(err))
+        except Exception:
+            log.exception("notification action %s failed", key)
 
-async def _guarded(callback: Awaitable[None], key: str) -> None:
-    try:
-        await callback
-    except PlacementFailure as err:
-        # Expected refusals (Drifted, Busy, NotFound …): a click has no caller to tell.
-        log.warning("notification action %s refused: %s: %s", key, type(err).__name__, err)
-    except Exception:
-        log.exception("notification action %s failed", key)
+
+def refusal_summary(key: str, err: PlacementFailure) -> str:
+    """``uapplace: not applied (Drifted)`` / ``… not dismissed (NotFound)``."""
+    verb = "dismissed" if key.startswith("dismiss:") else "applied"
+    return f"uapplace: not {verb} ({err.short})"
 
 
 def _match_rules() -> tuple[str, ...]:

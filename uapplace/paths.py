@@ -27,11 +27,16 @@ Knobs:
 ``UAPPLACE_SYSTEM_BUS_ADDRESS``  the system bus asked for polkit; else
                            ``DBUS_SYSTEM_BUS_ADDRESS``, else the standard socket;
                            set but empty → no system bus (same-uid checks only)
+``UAPPLACE_TEST_CRASH_AT``  tests only: SIGKILL uapplaced right after the enforcement
+                           journal records this step (crash-recovery tests)
+``UAPPLACE_TEST_PENDING_TTL_S``  tests and bench only: pending entries live this many
+                           seconds instead of 120 (CONTRACT.md §1); ignored unless > 0
 =========================  ==================================================
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -63,6 +68,12 @@ class Paths:
     """Where polkit is asked; ``None`` → no system bus, only the daemon's own uid may mutate."""
     data_home: Path = field(default_factory=lambda: Path.home() / ".local" / "share")
     """``XDG_DATA_HOME``: ``uapplace install`` puts the D-Bus activation file under it."""
+    test_crash_at: str | None = None
+    """``UAPPLACE_TEST_CRASH_AT``: tests only. The daemon SIGKILLs itself right after the
+    enforcement journal records this step (:mod:`uapplace.journal`); unset in production."""
+    test_pending_ttl_s: float | None = None
+    """``UAPPLACE_TEST_PENDING_TTL_S``: tests and ``bench/flood_rss.py`` only (watch state
+    shrink after expiry without waiting 120 s); ``None`` → the contract's 120 s."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Paths:
@@ -86,6 +97,8 @@ class Paths:
             shim_port=int(port_text) if port_text.isdigit() else DEFAULT_SHIM_PORT,
             system_bus_address=_system_bus_address(env),
             data_home=Path(env.get("XDG_DATA_HOME") or home / ".local" / "share"),
+            test_crash_at=env.get("UAPPLACE_TEST_CRASH_AT") or None,
+            test_pending_ttl_s=_positive_seconds(env.get("UAPPLACE_TEST_PENDING_TTL_S")),
         )
 
     @property
@@ -115,6 +128,11 @@ class Paths:
         return self.uap_home / "enforcement-timeouts.json"
 
     @property
+    def enforcement_journal(self) -> Path:
+        """The fsynced record of the enforcement run in progress (:mod:`uapplace.journal`)."""
+        return self.uap_home / "enforcement-journal.json"
+
+    @property
     def token_file(self) -> Path:
         return self.runtime_dir / "uapplace" / "token"
 
@@ -141,6 +159,14 @@ class Paths:
             if line.startswith("PROXY_AUTH_TOKEN="):
                 token = line.split("=", 1)[1].strip().strip('"').strip("'") or None
         return token
+
+
+def _positive_seconds(text: str | None) -> float | None:
+    try:
+        value = float(text or "")
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def _system_bus_address(env: Mapping[str, str]) -> str | None:

@@ -47,9 +47,9 @@ from pathlib import Path
 
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
-from dbus_fast.aio.message_bus import _MessageWriter
 from dbus_fast.aio.message_reader import build_message_reader
 
+from uapplace.busio import Bus, OrderedWriter, connect
 from uapplace.paths import INTERFACE
 
 log = logging.getLogger(__name__)
@@ -93,23 +93,25 @@ def check_private_dir(directory: Path) -> None:
 # --------------------------------------------------------------------------- the daemon's side
 
 
-class PeerConnection(MessageBus):
+class PeerConnection(Bus):
     """A dbus-fast bus object over a socket we accepted (we are the server end).
 
     dbus-fast only ever connects out; this adopts an authenticated socket and
-    hands it to dbus-fast's own reader and writer, so messages are framed and
-    written exactly as on its client connections. That leans on dbus-fast's
-    internals (``_MessageWriter``, ``build_message_reader``, the socket
-    attributes), which ``pyproject.toml`` pins to ``dbus-fast<6`` and
-    ``tests/unit/test_peer.py`` exercises; should they change, the connection is
-    refused (and logged) and the shim stays on the bus.
+    hands it to dbus-fast's own reader and to the writer of :mod:`uapplace.busio`
+    (dbus-fast's, with a full send buffer waited out instead of ending the
+    connection), so messages are framed and written as on our client
+    connections. That leans on dbus-fast's internals (``_MessageWriter``,
+    ``build_message_reader``, the socket attributes), which ``pyproject.toml``
+    pins to ``dbus-fast<6`` and ``tests/unit/test_peer.py`` exercises; should
+    they change, the connection is refused (and logged) and the shim stays on
+    the bus.
     """
 
     def adopt(self, sock: socket.socket) -> None:
         self._sock = sock
         self._stream = sock.makefile("rwb")
         self._fd = sock.fileno()
-        self._writer = _MessageWriter(self)
+        self._writer = OrderedWriter(self)
         # The writer sends at once only on a connection that has a name.
         self.unique_name = LOCAL_NAME
         self._loop.add_reader(
@@ -394,7 +396,7 @@ async def connect_peer(path: Path, owner_pid: int) -> MessageBus:
     connect) when the socket must not or cannot be used.
     """
     check_private_dir(path.parent)
-    bus = await MessageBus(bus_address=f"unix:path={path}").connect()
+    bus = await connect(f"unix:path={path}")
     try:
         sock = bus._sock  # dbus-fast's socket for this connection (a public Cython attribute)
         if not isinstance(sock, socket.socket):

@@ -35,6 +35,13 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from uapplace.conflicts import (
+    EPSILON_MIB,
+    candidate_devices,
+    conflicting_units,
+    fits,
+    gpu_shortfall_mib,
+)
 from uapplace.model import (
     DEFAULT_CELLS,
     Config,
@@ -54,8 +61,7 @@ from uapplace.model import (
     cost_mib,
 )
 
-_EPSILON_MIB = 1e-6
-"""Float noise tolerated when comparing a cost with a budget (cost math makes fractions)."""
+_EPSILON_MIB = EPSILON_MIB
 
 _NOT_SERVING = (ResidentState.DRAINING, ResidentState.PAUSED)
 
@@ -96,11 +102,7 @@ def plan(
         return Plan(requested, reason, reuse, ())
     model, pinned = resolved
     configs = (pinned,) if pinned is not None else tuple(model.configs.values())
-    infeasible = [
-        f"{model.key}/{c.key}: unmeasured; never loaded until a measurement is recorded"
-        for c in configs
-        if not c.is_measured
-    ]
+    infeasible = [_unmeasured_line(model, c) for c in configs if not c.is_measured]
     measured = [c for c in configs if c.is_measured]
     search = _Search(inp, requested, cells, task, model)
     options = list(reuse)
@@ -119,6 +121,13 @@ def plan(
     else:
         reason = PreviewReason.NO_FEASIBLE_OPTION
     return Plan(requested, reason, ranked, tuple(infeasible))
+
+
+def _unmeasured_line(model: Model, config: Config) -> str:
+    label = f"{model.key}/{config.key}"
+    if config.untrusted:
+        return f"{label}: no measurement counts on this machine: {config.untrusted}"
+    return f"{label}: unmeasured; never loaded until a measurement is recorded"
 
 
 def plan_unload(inp: PlanInput, model: str) -> tuple[Victim, ...]:
@@ -175,11 +184,7 @@ def affinity_match(model: Model, device_key: str, task: str | None = None) -> bo
     return task in model.task_affinity and (on_device or not model.affinity_devices)
 
 
-def candidate_devices(registry: Registry, model: Model) -> tuple[str, ...]:
-    """The devices a model may load on: its ``affinity_devices``, else every GPU."""
-    if model.affinity_devices:
-        return model.affinity_devices
-    return tuple(d.key for d in registry.gpus())
+__all__ = ["PlanInput", "candidate_devices", "minimal_eviction", "plan", "plan_unload"]
 
 
 # --------------------------------------------------------------------------- residents
@@ -446,10 +451,18 @@ class _Budget:
 
     @property
     def gpu_need(self) -> float:
-        """MiB the victims must free on the device; a CPU device has no GPU budget."""
-        if self.device.kind is not DeviceKind.GPU:
-            return 0.0
-        return self.cost - self.gpu_room
+        """MiB the victims must free on the device; a CPU device has no GPU budget.
+
+        The same arithmetic as the ``Conflicts=`` graph (:mod:`uapplace.conflicts`).
+        """
+        loaded = tuple(r.gpu_mib or 0.0 for r in self.on_device)
+        return gpu_shortfall_mib(self.device, (*loaded, self.cost))
+
+    @property
+    def fits_alongside(self) -> bool:
+        """Everything on the device stays loaded and the candidate still fits."""
+        loaded = tuple(r.gpu_mib or 0.0 for r in self.on_device)
+        return fits(self.device, (*loaded, self.cost))
 
     @property
     def host_room(self) -> float:
@@ -485,7 +498,7 @@ class _Search:
             return f"{device_key}: {clash}"
         gpu_need = budget.gpu_need
         host_need = (config.host_rss_mib or 0.0) - budget.host_room
-        if gpu_need <= _EPSILON_MIB and host_need <= _EPSILON_MIB and not required:
+        if budget.fits_alongside and host_need <= _EPSILON_MIB and not required:
             return Option(
                 OptionKind.LOAD_ALONGSIDE,
                 self.model.key,
@@ -544,19 +557,27 @@ class _Search:
         return _Budget(device, host, host_reading.free_mib, cost, on_device)
 
     def _unit_clash(self, config: Config, device_key: str) -> tuple[list[Resident], str | None]:
-        """Residents that must go because they run the candidate's unit; or why it cannot."""
+        """Residents that must go because they run the candidate's unit, or a unit it can
+        never be resident with (a ``Conflicts=`` edge: systemd would stop it anyway, so it
+        is a victim the operator sees, never a silent ``load_alongside``); or why not."""
         unit = self.model.unit_for(config)
         if unit is None:
             return [], None
+        edges = conflicting_units(self.registry, unit)
         required: list[Resident] = []
         for resident in self.inp.residents:
-            if resident.unit != unit:
+            if resident.unit == unit:
+                what, link = f"unit {unit} already runs {resident.signature}", "which"
+            elif resident.unit is not None and resident.unit in edges:
+                what = f"{resident.signature} ({resident.unit}) can never be resident with {unit}"
+                link = "and it"
+            else:
                 continue
             if resident.device != device_key:
-                return [], f"unit {unit} already runs {resident.signature} on {resident.device}"
+                return [], f"{what} on {resident.device}"
             why = self._not_a_victim(resident)
             if why is not None:
-                return [], f"unit {unit} already runs {resident.signature}, which {why}"
+                return [], f"{what}, {link} {why}"
             required.append(resident)
         return required, None
 

@@ -25,7 +25,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -39,12 +39,17 @@ from pydantic import (
     ValidationError,
 )
 
+from uapplace import jsonfile
+from uapplace.jsonfile import ConfigFileError as ConfigFileError  # re-exported: its old home
 from uapplace.model import (
     Config,
     ConfigStatus,
     Device,
+    DeviceIdentity,
     DeviceKind,
+    DeviceReading,
     Model,
+    ProbeSource,
     Provenance,
     Registry,
     parse_iso,
@@ -74,33 +79,6 @@ _CONFIG_TAGS = ("measured", "unmeasured")
 
 
 # --------------------------------------------------------------------------- errors
-
-
-class ConfigFileError(Exception):
-    """A configuration file is unreadable or says something invalid.
-
-    ``str()`` is ``"<file>: <json_path>: <message>"``, e.g.
-    ``config/model-registry.json: $.models.qwen3.8-27b.configs.llama-mtp.resident_gpu_mib:
-    Input should be a valid number``.
-    """
-
-    def __init__(
-        self,
-        file: Path,
-        json_path: str,
-        message: str,
-        others: tuple[ConfigFileError, ...] = (),
-    ) -> None:
-        super().__init__(f"{file}: {json_path}: {message}")
-        self.file = file
-        self.json_path = json_path
-        self.message = message
-        self.others = others
-        """Further problems found in the same pass (a file rarely has only one typo)."""
-
-    def every(self) -> tuple[ConfigFileError, ...]:
-        """This error followed by :attr:`others`."""
-        return (self, *self.others)
 
 
 def combined(errors: list[ConfigFileError]) -> ConfigFileError:
@@ -148,41 +126,14 @@ def validation_errors(
     return out
 
 
-class _DuplicateKeyError(ValueError):
-    pass
-
-
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKeyError(key)
-        out[key] = value
-    return out
-
-
 def read_json(path: Path) -> Any:
     """Parse a JSON file; every failure is a :class:`ConfigFileError` naming the file.
 
-    Duplicate object keys are refused: in a hand-edited file the second one is a typo
-    that would otherwise silently win.
+    :func:`uapplace.jsonfile.read_json`: 4 MiB and 64 levels at most, finite numbers
+    only, and duplicate object keys refused (in a hand-edited file the second one is a
+    typo that would otherwise silently win).
     """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigFileError(path, "$", "file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigFileError(path, "$", f"cannot read: {exc}") from None
-    try:
-        return json.loads(text, object_pairs_hook=_reject_duplicate_keys)
-    except json.JSONDecodeError as exc:
-        raise ConfigFileError(
-            path, "$", f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
-        ) from None
-    except _DuplicateKeyError as exc:
-        raise ConfigFileError(
-            path, "$", f"duplicate key {exc.args[0]!r} in a JSON object"
-        ) from None
+    return jsonfile.read_json(path)
 
 
 # --------------------------------------------------------------------------- names
@@ -237,6 +188,7 @@ DeviceKey = Annotated[str, Field(pattern=DEVICE_KEY_RE)]
 NonEmpty = Annotated[str, Field(min_length=1)]
 Mib = Annotated[float, Field(ge=0)]
 Cells = Annotated[int, Field(ge=1)]
+Seconds = Annotated[float, Field(gt=0)]
 
 
 # --------------------------------------------------------------------------- file schema
@@ -266,6 +218,14 @@ class DeviceOverlayDoc(_Doc):
     uuid: NonEmpty | None = None
 
 
+class MeasuredDeviceDoc(_Doc):
+    """The device a measurement was taken on, as ``measure`` read it from the probe."""
+
+    name: NonEmpty | None = None
+    uuid: NonEmpty | None = None
+    total_mib: Annotated[int, Field(ge=1)] | None = None
+
+
 class MeasuredConfigDoc(_Doc):
     status: Literal["measured"] = "measured"
     resident_gpu_mib: Mib
@@ -277,6 +237,8 @@ class MeasuredConfigDoc(_Doc):
     kv: NonEmpty | None = None
     measured_at: IsoTime | None = None
     measured_on: NonEmpty | None = None
+    measured_device: MeasuredDeviceDoc | None = None
+    engine_build: NonEmpty | None = None
     flags: list[str] = []
     unit: UnitName | None = None
     endpoint: Endpoint | None = None
@@ -284,12 +246,16 @@ class MeasuredConfigDoc(_Doc):
     expert_cache_mib: Mib | None = None
     arena_mib: Mib | None = None
     host_free_mib: Mib | None = None
+    # Start facts for enforcement's verify-up bound (enforce.Timeouts.verify_up_bound).
+    start_s: Seconds | None = None
+    start_timeout_s: Seconds | None = None
 
 
 class UnmeasuredConfigDoc(_Doc):
     status: Literal["unmeasured"]
     unit: UnitName | None = None
     endpoint: Endpoint | None = None
+    start_timeout_s: Seconds | None = None
 
 
 def _config_tag(raw: Any) -> str:
@@ -323,6 +289,7 @@ class ModelDoc(_Doc):
     task_affinity: list[NonEmpty] = []
     affinity: AffinityDoc | None = None
     advertises: list[NonEmpty] = []
+    engine_build: NonEmpty | None = None
 
 
 class ModelOverlayDoc(_Doc):
@@ -341,6 +308,7 @@ class ModelOverlayDoc(_Doc):
     task_affinity: list[NonEmpty] | None = None
     affinity: AffinityDoc | None = None
     advertises: list[NonEmpty] | None = None
+    engine_build: NonEmpty | None = None
 
 
 class RegistryDoc(_Doc):
@@ -381,6 +349,9 @@ class RegistryLoad:
     local_path: Path | None
     model_provenance: Mapping[str, Mapping[str, Provenance]] = field(default_factory=dict)
     """Per model, per top-level field (``configs`` excluded): which file it came from."""
+    device_mismatches: tuple[ConfigFileError, ...] = ()
+    """Local measurements whose recorded device is not the device the probe sees now
+    (:func:`gate_on_devices`); each such config is untrusted in :attr:`registry`."""
 
     def file_for(self, provenance: Provenance) -> Path:
         """The file an entry with this provenance came from."""
@@ -424,7 +395,13 @@ def _merge_device(src: _Sources, key: str) -> Device:
     )
 
 
-def _config(key: str, doc: MeasuredConfigDoc | UnmeasuredConfigDoc, origin: Provenance) -> Config:
+def _config(
+    key: str,
+    doc: MeasuredConfigDoc | UnmeasuredConfigDoc,
+    origin: Provenance,
+    src: _Sources,
+    model_build: str | None,
+) -> Config:
     if isinstance(doc, UnmeasuredConfigDoc):
         return Config(
             key=key,
@@ -432,6 +409,7 @@ def _config(key: str, doc: MeasuredConfigDoc | UnmeasuredConfigDoc, origin: Prov
             unit=doc.unit,
             endpoint=doc.endpoint,
             provenance=origin,
+            start_timeout_s=doc.start_timeout_s,
         )
     return Config(
         key=key,
@@ -449,7 +427,44 @@ def _config(key: str, doc: MeasuredConfigDoc | UnmeasuredConfigDoc, origin: Prov
         unit=doc.unit,
         endpoint=doc.endpoint,
         provenance=origin,
+        measured_device=_identity(doc.measured_device),
+        engine_build=doc.engine_build,
+        untrusted=_untrusted(doc, origin, src, model_build),
+        start_s=doc.start_s,
+        start_timeout_s=doc.start_timeout_s,
     )
+
+
+def _identity(doc: MeasuredDeviceDoc | None) -> DeviceIdentity | None:
+    if doc is None:
+        return None
+    return DeviceIdentity(name=doc.name, uuid=doc.uuid, total_mib=doc.total_mib)
+
+
+def _untrusted(
+    doc: MeasuredConfigDoc, origin: Provenance, src: _Sources, model_build: str | None
+) -> str:
+    """Why a measured entry's figures do not count here (spec §4.1), or ``""``.
+
+    Figures in the repo file describe some machine, not necessarily this one: only the
+    machine-local file (written by ``uapplace measure`` or the operator) is a measurement
+    of this box. A figure taken with another engine build than the one the registry says
+    is installed (``engine_build`` on the model) is stale.
+    """
+    if origin == "repo":
+        local = src.local_path if src.local_path is not None else "$UAP_HOME/model-registry.json"
+        return (
+            f"measured only in the repo file {src.repo_path}: its figures are descriptive; "
+            f"measured figures count only from the machine-local file {local} "
+            "(`uapplace measure` writes it)"
+        )
+    if doc.engine_build is not None and doc.engine_build != model_build:
+        current = f"engine build {model_build!r}" if model_build else "no engine_build"
+        return (
+            f"measured with engine build {doc.engine_build!r} but the registry declares "
+            f"{current} for the model: the figures are stale"
+        )
+    return ""
 
 
 def _merge_model(src: _Sources, key: str) -> tuple[Model, dict[str, Provenance]]:
@@ -471,7 +486,7 @@ def _merge_model(src: _Sources, key: str) -> tuple[Model, dict[str, Provenance]]
         display=doc.display,
         engine=doc.engine,
         configs={
-            name: _config(name, config, _origin(name, local_configs))
+            name: _config(name, config, _origin(name, local_configs), src, doc.engine_build)
             for name, config in doc.configs.items()
         },
         unit=doc.unit,
@@ -484,6 +499,7 @@ def _merge_model(src: _Sources, key: str) -> tuple[Model, dict[str, Provenance]]
         task_affinity=tuple(doc.task_affinity),
         affinity_devices=tuple(doc.affinity.device) if doc.affinity else (),
         advertises=tuple(doc.advertises),
+        engine_build=doc.engine_build,
     )
     return model, {name: _origin(name, over) for name in {**base, **over}}
 
@@ -563,12 +579,117 @@ def load_registry(repo_path: Path, local_path: Path | None) -> RegistryLoad:
     return RegistryLoad(registry, errors, repo_path, local_path, provenance)
 
 
+# --------------------------------------------------------------------------- this machine
+
+
+_TOTAL_MIB_SLACK = 1.0
+"""NVML reports bytes; a MiB of rounding between a recorded and a live total is the same card."""
+
+
+def gate_on_devices(load: RegistryLoad, readings: Mapping[str, DeviceReading]) -> RegistryLoad:
+    """Mark every local measurement taken on another device class as unknown (spec §4.1).
+
+    A config records the device it was measured on (``measured_device``: name, UUID,
+    total MiB, as ``uapplace measure`` read them). When the probe now reads a different
+    card under that key, the figures describe another machine: the config is untrusted
+    (never loaded, never a victim by its figures) and a mismatch names the file and field.
+
+    Decisions where the spec is silent:
+
+    - A device the probe cannot read now (absent) is not compared: nothing loads on it
+      anyway, and the next reload compares again.
+    - A local config with ``measured_on`` and no ``measured_device`` (written by hand, or
+      before identities were recorded) is accepted when its device key exists: the local
+      file is this machine's own statement, and there is nothing recorded to disagree with.
+    - Only the fields both sides have are compared (the simulated GPU and NVML give UUID,
+      total and name; a recorded field absent from the reading is not held against it).
+    """
+    mismatches: list[ConfigFileError] = []
+    models: dict[str, Model] = {}
+    for model in load.registry.models.values():
+        configs: dict[str, Config] = {}
+        for config in model.configs.values():
+            problem = _device_problem(config, readings)
+            if problem is None:
+                configs[config.key] = config
+                continue
+            field_name, message = problem
+            path = json_path(("models", model.key, "configs", config.key, *field_name))
+            mismatches.append(ConfigFileError(load.file_for(config.provenance), path, message))
+            configs[config.key] = replace(config, untrusted=message)
+        models[model.key] = replace(model, configs=configs)
+    registry = replace(load.registry, models=models)
+    return replace(load, registry=registry, device_mismatches=tuple(mismatches))
+
+
+def _device_problem(
+    config: Config, readings: Mapping[str, DeviceReading]
+) -> tuple[tuple[str, ...], str] | None:
+    recorded = config.measured_device
+    if config.untrusted or recorded is None or config.measured_on is None:
+        return None
+    reading = readings.get(config.measured_on)
+    if reading is None or reading.source is ProbeSource.ABSENT:
+        return None
+    where = f"measured on {config.measured_on}"
+    if recorded.uuid and reading.uuid and recorded.uuid != reading.uuid:
+        return ("measured_device", "uuid"), (
+            f"{where} = device {recorded.uuid}, but {config.measured_on} is now "
+            f"{reading.uuid}: the figures are unknown for this device"
+        )
+    if recorded.total_mib is not None and abs(recorded.total_mib - reading.total_mib) > (
+        _TOTAL_MIB_SLACK
+    ):
+        return ("measured_device", "total_mib"), (
+            f"{where} with {recorded.total_mib} MiB total, but {config.measured_on} now "
+            f"reads {reading.total_mib:.0f} MiB: another device class, the figures are unknown"
+        )
+    if recorded.name and reading.name and recorded.name != reading.name:
+        return ("measured_device", "name"), (
+            f"{where} = {recorded.name!r}, but {config.measured_on} is now {reading.name!r}: "
+            "another device class, the figures are unknown"
+        )
+    return None
+
+
+def measurement_status(config: Config) -> str:
+    """For ``validate``: whether a config's figures count here, in a few words."""
+    if config.status is ConfigStatus.UNMEASURED:
+        return "unmeasured"
+    if config.untrusted:
+        return f"not counted: {config.untrusted}"
+    if not config.is_measured:
+        return "incomplete: no measured_at"
+    return "measured here (machine-local)"
+
+
+def local_measurements(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A machine-local registry document holding every measured config of ``doc``.
+
+    For sandboxes (the demo, the tests, the benchmarks) that describe a machine in one
+    registry document: write ``doc`` as the repo file and this as
+    ``$UAP_HOME/model-registry.json`` so the sandbox's figures are this machine's own,
+    exactly as ``uapplace measure`` would have recorded them.
+    """
+    models: dict[str, Any] = {}
+    for key, model in (doc.get("models") or {}).items():
+        measured = {
+            name: dict(config)
+            for name, config in (model.get("configs") or {}).items()
+            if _config_tag(config) == "measured"
+        }
+        if measured:
+            models[key] = {"configs": measured}
+    return {"version": 1, "models": models}
+
+
 def provenance_rows(load: RegistryLoad) -> list[dict[str, str]]:
     """Which file each device field, model field and config came from, for ``validate``.
 
     Each row: ``kind`` (``device`` | ``model`` | ``config``), ``entry`` (JSON path of the
     entry), ``field`` (``*`` for a whole config), ``source`` (``repo`` | ``local``),
-    ``file``.
+    ``file``; config rows add ``measurement`` (:func:`measurement_status`: whether the
+    figures count on this machine).
     """
     rows: list[dict[str, str]] = []
 
@@ -592,6 +713,7 @@ def provenance_rows(load: RegistryLoad) -> list[dict[str, str]]:
         for config in model.configs.values():
             entry = json_path(("models", model.key, "configs", config.key))
             add("config", entry, "*", config.provenance)
+            rows[-1]["measurement"] = measurement_status(config)
     return rows
 
 

@@ -37,13 +37,13 @@ from dbus_fast.constants import PropertyAccess
 from dbus_fast.errors import DBusError
 from dbus_fast.service import ServiceInterface, dbus_method, dbus_property
 from dbus_fast.service import dbus_signal as _dbus_signal
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from uapplace import __version__
+from uapplace import __version__, jsonfile
 from uapplace.alerts import Alert
 from uapplace.authz import Action, auto_policy_actions
-from uapplace.controller import Controller, ResidentRow, VictimRef
-from uapplace.errors import ERROR_PREFIX, InvalidArgument, PlacementFailure
+from uapplace.controller import Controller, ResidentRow
+from uapplace.errors import ERROR_PREFIX, InvalidArgument, NotAuthorized, PlacementFailure
 from uapplace.model import PendingEntry
 from uapplace.paths import INTERFACE
 
@@ -68,11 +68,13 @@ _OUT_NAMES: dict[str, tuple[str, ...]] = {
     "GetState": ("state_json",),
     "ListPending": ("pending_json",),
     "Preview": ("preview_json",),
+    "PreviewUnload": ("preview_json",),
     "Apply": ("result_json",),
     "Dismiss": ("dismissed",),
     "Load": ("result_json",),
     "Unload": ("result_json",),
     "WriteUnits": ("written",),
+    "CheckUnits": ("stale",),
     "Measure": ("result_json",),
     "Validate": ("findings_json",),
     "GetAutoPolicy": ("policy_json",),
@@ -95,15 +97,6 @@ _PROPERTY_ANNOTATIONS: dict[str, dict[str, str]] = {
 # --------------------------------------------------------------------------- edges
 
 
-class _VictimRefJson(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    model: str = Field(min_length=1)
-    config: str = Field(min_length=1)
-
-
-_VICTIM_LIST = TypeAdapter(list[_VictimRefJson])
-
-
 class _AutoChangesJson(BaseModel):
     """The shim's ``auto`` body (HACKING.md); unknown keys are refused by name."""
 
@@ -123,22 +116,23 @@ def _first_problem(err: ValidationError) -> str:
     return f"{where}: {first['msg']}"
 
 
-def parse_expected_victims(text: str) -> list[VictimRef] | None:
-    """``expected_victims_json``: ``""`` → no check; else a JSON list of ``{model, config}``."""
-    if text == "":
-        return None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise InvalidArgument(f"expected_victims_json is not JSON: {err}") from None
-    try:
-        refs = _VICTIM_LIST.validate_python(raw)
-    except ValidationError as err:
-        raise InvalidArgument(
-            "expected_victims_json must be a list of {model, config} objects: "
-            + _first_problem(err)
-        ) from None
-    return [VictimRef(r.model, r.config) for r in refs]
+def parse_signature(expected: list[str]) -> list[str]:
+    """``expected`` (``as``): the approval signature, ``model/config`` per victim.
+
+    Exactly the ``signature`` list ``ListPending``/``Preview``/``PreviewUnload``
+    show. It is always checked: ``[]`` approves stopping nothing, so a run that
+    would stop something is ``Drifted``. A malformed element is ``InvalidArgument``.
+    """
+    for index, item in enumerate(expected):
+        model, sep, config = item.partition("/")
+        if not sep or not model or not config:
+            raise InvalidArgument(
+                f"expected[{index}] is {item!r}: each element must be 'model/config' as the "
+                "signature list of ListPending/Preview/PreviewUnload shows it"
+            )
+    if len(set(expected)) != len(expected):
+        raise InvalidArgument(f"expected lists a victim twice: {sorted(expected)}")
+    return sorted(expected)
 
 
 def parse_auto_changes(text: str) -> dict[str, Any]:
@@ -155,7 +149,8 @@ def parse_auto_changes(text: str) -> dict[str, Any]:
 
 
 def to_json_text(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
+    """Compact JSON; a non-finite number goes out as ``null``, never a bare ``NaN``."""
+    return jsonfile.dumps(value, separators=(",", ":"))
 
 
 def as_dbus_error(err: Exception) -> DBusError:
@@ -213,6 +208,10 @@ class PlacementInterface(ServiceInterface):
         return to_json_text(await self._guard(self._controller.preview(model, cells)))
 
     @dbus_method()
+    async def PreviewUnload(self, model: DBusStr) -> DBusStr:
+        return to_json_text(await self._guard(self._controller.preview_unload(model)))
+
+    @dbus_method()
     async def Validate(self) -> DBusStr:
         return to_json_text(await self._guard(self._controller.validate()))
 
@@ -224,12 +223,12 @@ class PlacementInterface(ServiceInterface):
 
     @dbus_method()
     async def Apply(
-        self, placement_id: DBusStr, option: DBusUInt32, expected_victims_json: DBusStr
+        self, placement_id: DBusStr, option: DBusUInt32, expected: StringList
     ) -> DBusStr:
         async def run() -> Any:
-            expected = parse_expected_victims(expected_victims_json)
+            signature = parse_signature(expected)
             await self._authorize(Action.APPLY)
-            return await self._controller.apply(placement_id, option, expected)
+            return await self._controller.apply(placement_id, option, signature)
 
         return to_json_text(await self._guard(run()))
 
@@ -242,18 +241,20 @@ class PlacementInterface(ServiceInterface):
         return await self._guard(run())
 
     @dbus_method()
-    async def Load(self, model: DBusStr) -> DBusStr:
+    async def Load(self, model: DBusStr, expected: StringList) -> DBusStr:
         async def run() -> Any:
+            signature = parse_signature(expected)
             await self._authorize(Action.LOAD)
-            return await self._controller.load_model(model)
+            return await self._controller.load_model(model, signature)
 
         return to_json_text(await self._guard(run()))
 
     @dbus_method()
-    async def Unload(self, model: DBusStr) -> DBusStr:
+    async def Unload(self, model: DBusStr, expected: StringList) -> DBusStr:
         async def run() -> Any:
+            signature = parse_signature(expected)
             await self._authorize(Action.UNLOAD)
-            return await self._controller.unload(model)
+            return await self._controller.unload(model, signature)
 
         return to_json_text(await self._guard(run()))
 
@@ -264,6 +265,11 @@ class PlacementInterface(ServiceInterface):
             return await self._controller.write_units()
 
         return await self._guard(run())
+
+    @dbus_method()
+    async def CheckUnits(self) -> StringList:
+        """Read only (never gated): which drop-ins ``WriteUnits`` would write or remove."""
+        return await self._guard(self._controller.check_units())
 
     @dbus_method()
     async def Measure(self, model: DBusStr, config: DBusStr) -> DBusStr:
@@ -294,8 +300,12 @@ class PlacementInterface(ServiceInterface):
     @dbus_method()
     async def Release(self, cookie: DBusUInt32) -> None:
         async def run() -> None:
+            caller = _CALLER.get()
             await self._authorize(Action.HOLD)
-            self._controller.release(cookie)
+            others = False
+            if self._controller.hold_owner(cookie) != caller:
+                others = await self._may_release_others(caller)
+            self._controller.release(cookie, caller, may_release_others=others)
 
         await self._guard(run())
 
@@ -382,6 +392,21 @@ class PlacementInterface(ServiceInterface):
         authorizer = self._controller.authorizer
         if authorizer is not None:
             await authorizer.check(_CALLER.get(), action)
+
+    async def _may_release_others(self, caller: str) -> bool:
+        """polkit's yes for ``release-others`` (no same-uid fallback); False without one.
+
+        A refusal comes back as the controller's ``NotAuthorized``, which names the
+        holder, rather than polkit's bare answer (that is logged)."""
+        authorizer = self._controller.authorizer
+        if authorizer is None:
+            return False
+        try:
+            await authorizer.check_polkit(caller, Action.RELEASE_OTHERS)
+        except NotAuthorized as err:
+            log.info("Release of another connection's hold refused for %s: %s", caller, err)
+            return False
+        return True
 
 
 def _complete_introspection() -> None:

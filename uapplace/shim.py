@@ -39,6 +39,19 @@ for state, pending, preview and the auto policy passes through byte for byte;
 Apply/Load/Unload results are parsed (the metrics count their outcome) and sent
 compact, unchanged in content.
 
+Limits (issue 11; the shipped unit adds ``LimitNOFILE=``). A request's headers
+must arrive within ``--header-timeout`` (10 s) of the connection opening or of
+its previous response, and an idle keep-alive connection is closed after as
+long (the proxy's httpx pool drops idle ones after 5 s, so it is never surprised);
+a body within ``--body-timeout`` (10 s), else ``408`` and the connection closed.
+At most ``--max-connections`` (512, lowered to fit ``RLIMIT_NOFILE``) connections
+are served at once; one over that gets ``503`` at once, unread, and is closed,
+with one warning per 10 s, not one per connection. Admit takes
+``application/json`` only (``415``), and any request whose ``Origin`` is not a
+loopback page is ``403``: browsers cannot send JSON cross-site without a
+preflight, nor drop ``Origin``, so a web page cannot create parks. A client that
+hangs up mid-body is a debug line, not an error.
+
 Status mapping of the daemon's answers:
 
 - Admit: always ``200`` with exactly ``{"decision":"forward","target_id":…}`` or
@@ -70,6 +83,7 @@ import json
 import logging
 import os
 import re
+import resource
 import secrets
 import signal
 import socket
@@ -80,11 +94,14 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
+from urllib.parse import urlsplit
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from dbus_fast import MessageType
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from uapplace.admission import MAX_MODEL_ID_CHARS
 from uapplace.client import PlacementClient, PlacementError, bus_daemon_message, user_bus_address
 from uapplace.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from uapplace.metrics import ShimMetrics
@@ -119,6 +136,21 @@ PEER_RETRY_S = 5.0
 """How often the shim tries the daemon's peer socket again while it cannot be used."""
 PEER_CONNECT_S = 0.25
 """The most one attempt at the peer socket may take out of an admit's deadline."""
+HEADER_TIMEOUT_S = 10.0
+"""A connection must deliver a request's complete headers within this long of connecting
+(or of its previous response); it is also how long an idle keep-alive connection lives."""
+BODY_TIMEOUT_S = 10.0
+"""The most reading one request body may take (a 10 KiB body is milliseconds on loopback)."""
+MAX_CONNECTIONS = 512
+"""Open HTTP connections served at once; more are answered 503 and closed at once."""
+ACCEPT_BACKLOG = 128
+FD_HEADROOM = 64
+"""Descriptors kept free beside the connections (bus, peer socket, logs, listeners)."""
+OVERLOAD_LOG_EVERY_S = 10.0
+BUS_CALLS_IN_FLIGHT = 96
+"""Calls the shim keeps outstanding on its one bus connection; more wait (inside their
+deadline). dbus-daemon refuses a connection's 129th pending call with ``LimitsExceeded``
+under its built-in limits (system bus, private buses); the user bus allows 50,000."""
 
 UNAVAILABLE_ERRORS = frozenset(
     {
@@ -129,6 +161,7 @@ UNAVAILABLE_ERRORS = frozenset(
         "org.freedesktop.DBus.Error.TimedOut",
         "org.freedesktop.DBus.Error.Disconnected",
         "org.freedesktop.DBus.Error.NoServer",
+        "org.freedesktop.DBus.Error.LimitsExceeded",
     }
 )
 STATUS_BY_BUS_ERROR = {
@@ -140,7 +173,7 @@ STATUS_BY_BUS_ERROR = {
     "NotAuthorized": 403,
     "Failed": 500,
 }
-MACHINERY_MISSING = re.compile(r"^\w+ is not (available: |implemented yet)")
+MACHINERY_MISSING = re.compile(r"^\w+ is not available: ")
 ROUTES = {
     "admit": "/api/placement/admit",
     "state": "/api/placement/state",
@@ -181,6 +214,10 @@ class HttpError(Exception):
 
 class DaemonUnavailable(Exception):
     """No bus, no daemon on it, or no answer before the deadline."""
+
+
+class ClientGone(Exception):
+    """The client hung up before its request body arrived: nobody to answer, nothing wrong."""
 
 
 def encode_json(value: Any) -> bytes:
@@ -269,6 +306,30 @@ class DismissBody(_Body):
 
 class ModelBody(_Body):
     model: BusText
+    expected_victims: list[VictimRefBody] | None = Field(
+        default=None,
+        max_length=256,
+        description=(
+            "the approval signature (load: the victims of the preview's first option; unload: "
+            "the residents that stop); required whenever something would stop"
+        ),
+    )
+
+
+MISSING_SIGNATURE = (
+    "expected_victims is required when the call would stop something: send the victims "
+    "the operator approved ([{model, config}], as preview/pending show them)"
+)
+
+
+def signature_of(refs: list[VictimRefBody] | None) -> list[str]:
+    """CONTRACT §4 ``expected_victims`` → the bus signature (``model/config`` strings).
+
+    Omitted means "approve stopping nothing" (``[]``), never "skip the check": a
+    call that would stop something then comes back ``Drifted`` (409), and the
+    error says ``expected_victims`` is required (:data:`MISSING_SIGNATURE`).
+    """
+    return [] if refs is None else sorted(f"{v.model}/{v.config}" for v in refs)
 
 
 class AutoBody(_Body):
@@ -313,6 +374,8 @@ def parse_admit(payload: Mapping[str, Any]) -> AdmitRequest:
                 check_bus_text(value)
             except ValueError as err:
                 raise HttpError(400, f"{name} {err}") from None
+    if len(model_id) > MAX_MODEL_ID_CHARS:  # the daemon parks these invalid_request, no entry
+        raise HttpError(400, f"model_id longer than {MAX_MODEL_ID_CHARS} characters")
     cells = payload.get("cells")
     if isinstance(cells, int) and not isinstance(cells, bool) and cells > 0:
         cells_used = min(cells, U32_MAX)
@@ -335,10 +398,34 @@ def validation_message(err: ValidationError) -> str:
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The request body, refusing more than :data:`BODY_LIMIT` bytes without reading it all."""
+    """The request body, refusing more than :data:`BODY_LIMIT` bytes without reading it all.
+
+    Bounded in time too (``body_timeout``, a slow-body client holds a connection
+    no longer than that: ``408``); a client that hangs up mid-body is
+    :class:`ClientGone`, not an error of ours.
+    """
     declared = request.content_length
     if declared is not None and declared > BODY_LIMIT:
         raise HttpError(413, f"request body over {BODY_LIMIT} bytes")
+    limit_s = body_timeout(request)
+    try:
+        async with asyncio.timeout(limit_s):
+            return await _read_body_within_limit(request)
+    except TimeoutError:
+        raise HttpError(408, f"request body not received within {limit_s:g} s") from None
+    except (ConnectionError, HttpProcessingError) as err:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ClientGone(f"{type(err).__name__}: {err}") from None
+        raise HttpError(400, f"request body could not be read: {err}") from None
+
+
+def body_timeout(request: web.Request) -> float:
+    shim = request.app.get(SHIM_KEY)
+    return shim.settings.body_timeout if shim is not None else BODY_TIMEOUT_S
+
+
+async def _read_body_within_limit(request: web.Request) -> bytes:
     data = bytearray()
     while True:
         chunk = await request.content.read(BODY_LIMIT + 1 - len(data))
@@ -464,6 +551,9 @@ class BusGateway:
     until then, after a failed attempt (retried at most every
     :data:`PEER_RETRY_S`), or with ``peer_socket=None``, admits take the bus.
     A peer link lost mid-call is dropped and that call retried on the bus.
+    At most :data:`BUS_CALLS_IN_FLIGHT` calls are outstanding on the bus
+    connection at once (a burst queues here instead of being refused by
+    ``dbus-daemon``); a ``LimitsExceeded`` that comes anyway is a ``503``.
     """
 
     def __init__(self, address: str, metrics: ShimMetrics, peer_socket: Path | None = None) -> None:
@@ -475,6 +565,7 @@ class BusGateway:
         self._peer: PlacementClient | None = None
         self._peer_retry_at = 0.0
         self._peer_note = ""
+        self._bus_slots = asyncio.Semaphore(BUS_CALLS_IN_FLIGHT)
 
     async def close(self) -> None:
         self._drop_peer()
@@ -572,8 +663,9 @@ class BusGateway:
                         self._drop_peer()
                         why = str(err) or type(err).__name__
                         self._note_peer(f"peer socket lost ({why}); admits go over the bus")
-                client = await self._connected()
-                return await work(client)
+                async with self._bus_slots:
+                    client = await self._connected()
+                    return await work(client)
         except TimeoutError:
             outcome = "Timeout"
             raise DaemonUnavailable(f"{method}: no answer within {deadline:g} s") from None
@@ -610,6 +702,9 @@ class ShimSettings:
     read_deadline: float = READ_DEADLINE_S
     enforcement_deadline: float = ENFORCEMENT_DEADLINE_S
     metrics: ShimMetrics = field(default_factory=ShimMetrics)
+    header_timeout: float = HEADER_TIMEOUT_S
+    body_timeout: float = BODY_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
 
 
 @dataclass
@@ -655,6 +750,7 @@ class Shim:
     async def admit(self, request: web.Request) -> web.Response:
         if not is_loopback_peer(request):
             raise HttpError(403, ADMIT_LOOPBACK_ONLY)
+        require_json(request)
         admit = parse_admit(await read_json_object(request))
         answer = await self.bus(
             "Admit",
@@ -709,27 +805,38 @@ class Shim:
     async def resolve(self, request: web.Request) -> web.Response:
         self.require_token(request)
         body = await read_model(request, ResolveBody)
-        expected = (
-            None
-            if body.expected_victims is None
-            else [{"model": v.model, "config": v.config} for v in body.expected_victims]
-        )
+        expected = signature_of(body.expected_victims)
         return await self.enforcement(
             "resolve",
             "Apply",
             body.placement_id,
             lambda c: c.apply(body.placement_id, body.option, expected),
+            signed=body.expected_victims is not None,
         )
 
     async def load(self, request: web.Request) -> web.Response:
         self.require_token(request)
         body = await read_model(request, ModelBody)
-        return await self.enforcement("load", "Load", "", lambda c: c.load(body.model))
+        expected = signature_of(body.expected_victims)
+        return await self.enforcement(
+            "load",
+            "Load",
+            "",
+            lambda c: c.load(body.model, expected),
+            signed=body.expected_victims is not None,
+        )
 
     async def unload(self, request: web.Request) -> web.Response:
         self.require_token(request)
         body = await read_model(request, ModelBody)
-        return await self.enforcement("unload", "Unload", "", lambda c: c.unload(body.model))
+        expected = signature_of(body.expected_victims)
+        return await self.enforcement(
+            "unload",
+            "Unload",
+            "",
+            lambda c: c.unload(body.model, expected),
+            signed=body.expected_victims is not None,
+        )
 
     async def enforcement(
         self,
@@ -737,8 +844,13 @@ class Shim:
         method: str,
         placement_id: str,
         work: Callable[[PlacementClient], Awaitable[Any]],
+        *,
+        signed: bool = True,
     ) -> web.Response:
-        """One Apply/Load/Unload, counted in the enforcement metrics by outcome."""
+        """One Apply/Load/Unload, counted in the enforcement metrics by outcome.
+
+        ``signed`` is false when the body omitted ``expected_victims``: a ``Drifted``
+        then means the call would stop something nobody approved, and says so."""
         started = time.perf_counter()
         outcome = "error"
         try:
@@ -749,7 +861,8 @@ class Shim:
             outcome = "unavailable" if err.status == 503 else "refused"
             if err.bus_error == "Drifted":
                 outcome = "drifted"
-                body = drifted_body(placement_id, err.message)
+                message = err.message if signed else f"{MISSING_SIGNATURE}; {err.message}"
+                body = drifted_body(placement_id, message)
                 raise HttpError(409, body["error"], body, bus_error="Drifted") from None
             raise
         finally:
@@ -818,10 +931,10 @@ def lacks_machinery(message: str) -> bool:
     """A ``Failed`` that says the daemon is up but cannot do this here (or not yet).
 
     The wording is :func:`uapplace.errors.unavailable` ("Apply is not available:
-    it needs the systemd user manager…") and :func:`uapplace.errors.not_implemented`
-    (a collaborator not wired yet, e.g. in the moment between the daemon taking
-    its name and wiring enforcement). Neither is the daemon failing on this
-    request, so the shim answers ``503`` with the daemon's message, not ``500``.
+    it needs the systemd user manager…", or "…: uapplaced has not wired it (it is
+    still starting)" in the moment between the daemon taking its name and wiring
+    enforcement). That is not the daemon failing on this request, so the shim
+    answers ``503`` with the daemon's message, not ``500``.
     """
     return MACHINERY_MISSING.match(message) is not None
 
@@ -878,8 +991,13 @@ def make_middleware(shim: Shim) -> Any:
             response = await handler(request)
         except HttpError as err:
             response = json_response(err.body or {"error": err.message}, err.status)
+            if err.status == 408:
+                response.force_close()  # a client this slow does not keep the connection
         except web.HTTPException as err:
             response = http_exception_response(request, err)
+        except ClientGone as err:  # routine: a client timed out or hung up mid-body
+            log.debug("%s %s: the client went away (%s)", request.method, request.path, err)
+            response = error_response(400, "the client closed the connection mid-request")
         except Exception:  # one bad request must never take the shim down
             log.exception("unexpected error answering %s %s", request.method, request.path)
             response = error_response(500, "internal error in uapplace-shim (see its log)")
@@ -889,13 +1007,49 @@ def make_middleware(shim: Shim) -> Any:
     return answer
 
 
+def origin_is_loopback(origin: str) -> bool:
+    """An ``Origin`` header naming a page on this machine's loopback (any port).
+
+    Browsers add ``Origin`` to every cross-origin POST (and scripts cannot remove
+    it); the proxy and the CLI send none. ``null`` (sandboxed frames, ``file:``
+    pages) is not loopback: any site can produce it.
+    """
+    try:
+        parts = urlsplit(origin.strip())
+        host = parts.hostname
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and (host or "").lower() in LOOPBACK_HOST_NAMES
+
+
+def require_json(request: web.Request) -> None:
+    """Admit takes ``application/json`` only (CONTRACT §1: the proxy sends JSON).
+
+    A browser can send ``text/plain``, form types or no type at all cross-site
+    without a CORS preflight; ``application/json`` it cannot, so this and the
+    ``Origin`` check keep web pages the operator visits from creating parks.
+    """
+    if request.content_type.lower() != JSON_CONTENT_TYPE:
+        given = request.headers.get("Content-Type")
+        what = "no Content-Type" if given is None else f"Content-Type {shown(given)}"
+        raise HttpError(415, f"admit takes {JSON_CONTENT_TYPE}, got {what}")
+
+
 def check_access(request: web.Request) -> None:
-    """Loopback peers only; and, except on admit, a loopback ``Host`` (DNS rebinding)."""
+    """Loopback peers only; no foreign ``Origin``; and, except on admit, a loopback
+    ``Host`` (DNS rebinding)."""
     is_admit = request.path == ROUTES["admit"]
     if not is_loopback_peer(request):
         # Admit's exact refusal is part of the contract; it comes before the body is read.
         raise HttpError(
             403, ADMIT_LOOPBACK_ONLY if is_admit else "the uapplace shim is loopback-only"
+        )
+    origin = request.headers.get("Origin")
+    if origin is not None and not origin_is_loopback(origin):
+        raise HttpError(
+            403,
+            f"Origin {shown(origin)} is not a loopback origin: the shim takes no requests "
+            "from web pages",
         )
     if not is_admit and not host_header_is_loopback(request.headers.get("Host")):
         raise HttpError(
@@ -957,17 +1111,155 @@ def bind_sockets(hosts: Sequence[str], port: int) -> list[socket.socket]:
     return bound
 
 
+# --------------------------------------------------------------------------- overload guards
+
+_OVERLOAD_BODY = encode_json({"error": "uapplace-shim is at its connection limit; retry"})
+OVERLOAD_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\n"
+    b"Content-Type: application/json; charset=utf-8\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n"
+    + f"Content-Length: {len(_OVERLOAD_BODY)}\r\n\r\n".encode()
+    + _OVERLOAD_BODY
+)
+"""What a connection over the cap gets, without a byte of its request being read."""
+ACCEPT_EXHAUSTED = "socket.accept() out of system resource"
+
+
+class _Refusal(asyncio.Protocol):
+    """A connection over the cap: the 503 is written and the connection closed at once."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(OVERLOAD_RESPONSE)
+        transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+
+class RateLimitedWarning:
+    """One warning per :data:`OVERLOAD_LOG_EVERY_S` for a condition that repeats, with a count."""
+
+    def __init__(self) -> None:
+        self.logged_at = -OVERLOAD_LOG_EVERY_S
+        self.unreported = 0
+
+    def __call__(self, message: str, *args: object) -> None:
+        self.unreported += 1
+        now = time.monotonic()
+        if now - self.logged_at < OVERLOAD_LOG_EVERY_S:
+            return
+        log.warning(message + " (%d time(s) since the last report)", *args, self.unreported)
+        self.logged_at = now
+        self.unreported = 0
+
+
+class ConnectionCap:
+    """At most ``limit`` open HTTP connections; the rest get a 503 at once and are closed.
+
+    The count is aiohttp's own list of open connections, read as each new one is
+    accepted. Connections accepted in one loop turn join that list only when
+    they start, so the count can overshoot ``limit`` by at most the accept
+    backlog; :func:`connection_cap` leaves that much room below the descriptor
+    limit, so ``accept()`` itself does not run out of descriptors.
+    """
+
+    def __init__(self, server: web.Server, limit: int) -> None:
+        self.server = server
+        self.limit = limit
+        self.refused = 0
+        self._warn = RateLimitedWarning()
+
+    def protocol(self) -> asyncio.BaseProtocol:
+        """The protocol factory handed to ``loop.create_server``."""
+        if len(self.server.connections) >= self.limit:
+            self.refused += 1
+            self._warn("%d connections open: new ones are answered 503", self.limit)
+            return _Refusal()
+        return self.server()
+
+
+class GuardedSite(web.SockSite):
+    """aiohttp's ``SockSite`` accepting through a :class:`ConnectionCap`."""
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, cap: ConnectionCap) -> None:
+        super().__init__(runner, sock, backlog=ACCEPT_BACKLOG)
+        self.cap = cap
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with the runner
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self.cap.protocol, sock=self._sock, backlog=self._backlog
+        )
+
+
+def connection_cap(requested: int) -> int:
+    """``requested``, lowered to fit under ``RLIMIT_NOFILE`` with the backlog and headroom."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return requested
+    fits = max(1, soft - ACCEPT_BACKLOG - FD_HEADROOM)
+    if fits < requested:
+        log.warning(
+            "serving at most %d connections, not %d: the descriptor limit is %d "
+            "(raise LimitNOFILE= in the unit)",
+            fits,
+            requested,
+            soft,
+        )
+    return min(requested, fits)
+
+
+def raise_fd_limit() -> None:
+    """Soft ``RLIMIT_NOFILE`` up to the hard one (asyncio uses epoll: no FD_SETSIZE issue)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def quiet_accept_errors(warn: RateLimitedWarning) -> Callable[[Any, dict[str, Any]], None]:
+    """A loop exception handler that reports asyncio's EMFILE-on-accept once per interval.
+
+    asyncio logs that error once per connection waiting in the backlog, and
+    re-arms the listener once per failure: thousands of lines a second. The cap
+    should keep it from happening; if the process runs out of descriptors anyway
+    (other files), this keeps the journal readable.
+    """
+
+    def handler(loop: Any, context: dict[str, Any]) -> None:
+        if context.get("message") == ACCEPT_EXHAUSTED:
+            warn("accept() failed: %s; not accepting for 1 s", context.get("exception"))
+            return
+        loop.default_exception_handler(context)
+
+    return handler
+
+
 async def serve(settings: ShimSettings, hosts: Sequence[str], port: int) -> None:
     app = create_app(settings)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handle_signals=False,
+        # aiohttp's keep-alive timer runs from the connection's start (and from each
+        # response) until a complete request head arrives, and closes an idle one:
+        # it is the header read timeout, so a slow-headers client is cut.
+        keepalive_timeout=settings.header_timeout,
+    )
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(quiet_accept_errors(RateLimitedWarning()))
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    assert runner.server is not None
+    cap = ConnectionCap(runner.server, connection_cap(settings.max_connections))
     try:
         for sock in bind_sockets(hosts, port):
-            await web.SockSite(runner, sock).start()
+            await GuardedSite(runner, sock, cap).start()
             host, bound_port = sock.getsockname()[:2]
             shown_host = f"[{host}]" if ":" in host else host
             log.info("listening on http://%s:%d", shown_host, bound_port)
@@ -998,6 +1290,26 @@ def build_parser(paths: Paths) -> argparse.ArgumentParser:
         action="store_true",
         help=f"admit over the bus only, never over uapplaced's peer socket ({paths.peer_socket})",
     )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help=f"HTTP connections served at once, more get a 503 (default {MAX_CONNECTIONS}; "
+        "lowered to fit the descriptor limit)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT_S,
+        help=f"seconds a connection may take to send a request's headers, and idle "
+        f"keep-alive (default {HEADER_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        help=f"seconds a request body may take to arrive (default {BODY_TIMEOUT_S:g})",
+    )
     return parser
 
 
@@ -1016,6 +1328,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.exit(2, f"uapplace-shim: --port {args.port} is not a TCP port (0-65535)\n")
     if not 0 < args.admit_timeout < 2.0:
         parser.exit(2, "uapplace-shim: --admit-timeout must be above 0 and below the proxy's 2 s\n")
+    if args.max_connections < 1:
+        parser.exit(2, f"uapplace-shim: --max-connections {args.max_connections} is not >= 1\n")
+    for name in ("header_timeout", "body_timeout"):
+        if not 0 < getattr(args, name) <= 3600:
+            flag = "--" + name.replace("_", "-")
+            parser.exit(2, f"uapplace-shim: {flag} must be above 0 and at most 3600 seconds\n")
     try:
         token = load_or_create_token(paths.token_file)
     except (OSError, ValueError) as err:
@@ -1026,7 +1344,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         bus_address=args.bus_address or user_bus_address(),
         peer_socket=None if args.no_peer else paths.peer_socket,
         admit_deadline=args.admit_timeout,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
     )
+    raise_fd_limit()
     try:
         asyncio.run(serve(settings, hosts, args.port))
     except OSError as err:

@@ -72,6 +72,21 @@ _APPLY_RESULT = {
         },
         "rolledBack": {"type": "boolean"},
         "error": {"type": "string"},
+        "runningAfter": {
+            "type": "array",
+            "description": "what runs on the run's device(s) when it ended",
+            "items": {
+                "type": "object",
+                "required": ["model", "config", "device", "unit", "state"],
+                "properties": {
+                    "model": {"type": "string"},
+                    "config": {"type": "string"},
+                    "device": {"type": "string"},
+                    "unit": {"type": ["string", "null"]},
+                    "state": {"type": "string"},
+                },
+            },
+        },
     },
 }
 _ADMIT_REQUEST = {

@@ -95,7 +95,10 @@ class UnitState:
 
     ``exec_start`` is every ``ExecStart=`` command line, argv joined by spaces,
     commands joined by ``"; "``. ``result`` is the service's ``Result``
-    (``success``, ``exit-code``, ``signal``, …).
+    (``success``, ``exit-code``, ``signal``, …). ``exec_paths`` is the binary
+    of each ``ExecStart=`` command as systemd resolved it (the path, not
+    ``argv[0]``); ``load_error`` is systemd's ``LoadError`` message when the unit
+    did not load (``"Unit x.service not found."``), else "".
     """
 
     active_state: str
@@ -104,6 +107,8 @@ class UnitState:
     main_pid: int
     exec_start: str
     result: str = ""
+    exec_paths: tuple[str, ...] = ()
+    load_error: str = ""
 
 
 def unit_name(name: str) -> str:
@@ -128,6 +133,18 @@ def _exec_start_text(entries: Any) -> str:
     return "; ".join(" ".join(_text(arg) for arg in entry[1]) for entry in entries or [])
 
 
+def _exec_paths(entries: Any) -> tuple[str, ...]:
+    return tuple(_text(entry[0]) for entry in entries or [])
+
+
+def _load_error(value: Any) -> str:
+    # LoadError is (ss): (D-Bus error name, message); both "" when the unit loaded.
+    if not value:
+        return ""
+    name, message = _text(value[0]), _text(value[1])
+    return message or name
+
+
 def _merge(state: UnitState, props: Mapping[bytes, Any]) -> UnitState:
     changes: dict[str, Any] = {}
     if b"ActiveState" in props:
@@ -140,6 +157,9 @@ def _merge(state: UnitState, props: Mapping[bytes, Any]) -> UnitState:
         changes["main_pid"] = int(props[b"MainPID"])
     if b"ExecStart" in props:
         changes["exec_start"] = _exec_start_text(props[b"ExecStart"])
+        changes["exec_paths"] = _exec_paths(props[b"ExecStart"])
+    if b"LoadError" in props:
+        changes["load_error"] = _load_error(props[b"LoadError"])
     if b"Result" in props:
         changes["result"] = _text(props[b"Result"])
     return replace(state, **changes)
@@ -233,7 +253,13 @@ class UnitManager:
         self._states[unit] = (
             state
             if cached is None
-            else replace(cached, load_state=state.load_state, exec_start=state.exec_start)
+            else replace(
+                cached,
+                load_state=state.load_state,
+                exec_start=state.exec_start,
+                exec_paths=state.exec_paths,
+                load_error=state.load_error,
+            )
         )
         return state
 
@@ -449,7 +475,9 @@ def _bus_error_text(err: BaseException) -> str:
 # --------------------------------------------------------------------------- drop-ins
 
 
-def write_conflict_dropins(unit_dir: Path, groups: Mapping[str, Sequence[str]]) -> list[Path]:
+def write_conflict_dropins(
+    unit_dir: Path, groups: Mapping[str, Sequence[str]], *, dry_run: bool = False
+) -> list[Path]:
     """Make units that share a device conflict, through systemd itself.
 
     ``groups`` maps a device to the units placed on it. For every unit that
@@ -460,7 +488,8 @@ def write_conflict_dropins(unit_dir: Path, groups: Mapping[str, Sequence[str]]) 
     ours, for units no longer sharing a device, are removed. Returns the paths
     written or removed (unchanged files are not touched); the caller then
     ``reload()``s. Nothing is ever written outside ``unit_dir``; a bad unit name
-    raises ``ValueError`` before anything is written.
+    raises ``ValueError`` before anything is written. ``dry_run`` touches nothing
+    and returns the paths that would change (``uapplace units --check``).
     """
     root = unit_dir.resolve()
     wanted = _conflicts_by_unit(groups)
@@ -469,16 +498,23 @@ def write_conflict_dropins(unit_dir: Path, groups: Mapping[str, Sequence[str]]) 
         path = _dropin_path(root, unit)
         text = _dropin_text(unit, others)
         if _read_or_none(path) != text:
-            _write_inside(root, path, text)
+            if not dry_run:
+                _write_inside(root, path, text)
             changed.append(path)
     for stale in sorted(root.glob(f"*.d/{DROPIN_NAME}")):
         if stale.parent.name.removesuffix(".d") not in wanted:
             _check_inside(root, stale)
-            stale.unlink()
-            with contextlib.suppress(OSError):
-                stale.parent.rmdir()  # only when empty: other drop-ins stay
+            if not dry_run:
+                stale.unlink()
+                with contextlib.suppress(OSError):
+                    stale.parent.rmdir()  # only when empty: other drop-ins stay
             changed.append(stale)
     return changed
+
+
+def has_conflict_dropins(unit_dir: Path) -> bool:
+    """Whether any drop-in of ours is in ``unit_dir`` (``uapplace units`` ran here)."""
+    return any(unit_dir.glob(f"*.d/{DROPIN_NAME}"))
 
 
 def _conflicts_by_unit(groups: Mapping[str, Sequence[str]]) -> dict[str, set[str]]:

@@ -1,4 +1,5 @@
-"""Residents follow the systemd units, whoever starts or stops them.
+"""Residents follow the systemd units, whoever starts or stops them; nothing is
+published before it is verified (DESIGN.md §5a invariants 2 and 5).
 
 :class:`UnitSync` listens to :meth:`UnitManager.on_change` for every unit the
 registry names and turns unit states into resident states:
@@ -6,24 +7,49 @@ registry names and turns unit states into resident states:
 =====================  =========================================================
 unit                   resident
 =====================  =========================================================
-``activating``         ``warming`` (admission forwards to warming residents)
-``active``             ``warming`` until ``/health`` answers 200, then ``hot``
-``inactive``/``failed``  gone
+``activating``         ``warming`` (admission parks ``warming``, never forwards)
+``active``             ``warming`` until :func:`uapplace.verify.check` passes
+                       (``/health`` 200, the id in ``/v1/models``, the capacity
+                       policy's ``metricsMustMatch``), then ``hot``
+``inactive``/``failed``  gone (``failed`` raises a ``resident_dropped`` alert)
 ``deactivating``       unchanged (a run that stops it has marked it ``draining``)
 =====================  =========================================================
 
-Every change goes through the host's ``put_resident`` / ``drop_resident``, which
-emit ``ResidentChanged``. A resident an enforcement run marked ``draining``
-stays ``draining`` (:meth:`EnforcementMarks.overlay`). A unit a run is starting
-is not published here at all: the run's ``verify-up`` (health *and* served ids
-*and* metrics) publishes it ``hot``, so a server that answers ``/health`` with the
-wrong model is never forwarded to. Its going down is still followed.
+Publication (invariant 2): ``hot`` means "verified in this daemon's life". The
+controller restores every ledger resident as ``warming`` (``Controller.restore``),
+so a resident the previous daemon published is verified again before anything
+is forwarded to it. A unit found running at start-up or started by hand is
+verified the same way. An engine that answers but serves the wrong id (or
+breaks ``metricsMustMatch``) is never published: a ``wrong_model`` alert names
+the unit, what it serves and what was expected, and the check is repeated with
+a growing pause (:data:`WRONG_ENGINE_FIRST_S` → :data:`WRONG_ENGINE_MAX_S`),
+because an operator may swap the engine to the right model in place. A resident
+published ``hot`` whose unit reports a new main PID (restarted between two
+signals) goes back to ``warming`` and is verified again.
+
+A unit a run is starting is not published here at all: the run's ``verify-up``
+(the same check) publishes it. Its going down is still followed. A resident an
+enforcement run marked ``draining`` stays ``draining``
+(:meth:`EnforcementMarks.overlay`).
+
+Reconcile (invariant 5, :meth:`UnitSync.sync_all`, run at start-up, after a
+registry reload and after a measurement): every registry unit's state is read
+and followed; then every resident whose unit is unknown to the registry, has no
+unit, or is not running is dropped with a ``resident_dropped`` alert. After it,
+the residents are exactly the running registry units. The probe (device memory)
+is what the planner uses for free memory, so it wins over the residents' costs
+by construction; processes holding device memory that belong to no resident's
+unit are reported as a ``probe_mismatch`` alert.
 
 Which config a unit runs: the one a running enforcement is starting, else the
 resident already recorded for the unit, else the registry's only config under
 that unit (several: the first measured one, in registry order). Its device: the
 config's ``measured_on``, else the model's first affinity device, else the
 first GPU in the registry.
+
+:class:`LedgerPublication` is the same verification for a daemon without a
+systemd user manager (no unit sync): restored residents are verified over HTTP
+alone and published ``hot`` when the check passes; nothing else changes them.
 """
 
 from __future__ import annotations
@@ -32,12 +58,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
-from uapplace import engines
-from uapplace.model import Config, DeviceKind, Model, Registry, Resident, ResidentState, iso
+from uapplace import engines, verify
+from uapplace.alerts import AlertKind, Severity
+from uapplace.capacity import ServicePolicy
+from uapplace.model import (
+    Config,
+    DeviceKind,
+    DeviceReading,
+    Model,
+    Registry,
+    Resident,
+    ResidentState,
+    iso,
+)
 from uapplace.registry import unit_file_name
 from uapplace.units import UnitError, UnitManager, UnitState
 
@@ -46,6 +83,11 @@ log = logging.getLogger(__name__)
 _UP = frozenset({"active", "reloading"})
 _DOWN = frozenset({"inactive", "failed"})
 _STARTING = frozenset({"activating"})
+
+WRONG_ENGINE_FIRST_S = 1.0
+"""First pause before re-checking an engine that serves the wrong id or metrics."""
+WRONG_ENGINE_MAX_S = 30.0
+"""Longest pause between two re-checks of a wrong engine (doubling from the first)."""
 
 
 ResidentKey = tuple[str, str, str]
@@ -107,7 +149,7 @@ def resident_key(resident: Resident) -> ResidentKey:
 
 
 class ResidentSink(Protocol):
-    """The part of the controller unit sync writes to (a subset of ``EnforcementHost``)."""
+    """The part of the controller unit sync uses (a subset of ``EnforcementHost``)."""
 
     def registry(self) -> Registry: ...
 
@@ -116,6 +158,19 @@ class ResidentSink(Protocol):
     def put_resident(self, resident: Resident) -> None: ...
 
     def drop_resident(self, resident: Resident) -> None: ...
+
+    def service_policy(self, model: Model) -> ServicePolicy | None: ...
+
+    async def read_devices(self) -> Mapping[str, DeviceReading]: ...
+
+    def raise_alert(
+        self,
+        kind: AlertKind,
+        severity: Severity,
+        subject: str,
+        message: str,
+        detail: Mapping[str, Any] | None = None,
+    ) -> None: ...
 
 
 def registry_units(registry: Registry) -> dict[str, list[tuple[Model, Config]]]:
@@ -140,6 +195,101 @@ def default_device(registry: Registry, model: Model, config: Config) -> str | No
     if gpus:
         return gpus[0].key
     return next(iter(registry.devices), None)
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def resident_expectation(host: ResidentSink, resident: Resident) -> verify.Expectation | None:
+    """What ``resident``'s engine must serve; ``None`` when its model left the registry."""
+    registry = host.registry()
+    model = registry.models.get(resident.model)
+    if model is None:
+        return None
+    config = model.configs.get(resident.config)
+    return verify.expectation(model, config, None, host.service_policy(model))
+
+
+async def verify_until_ok(
+    host: ResidentSink,
+    resident: Resident,
+    subject: str,
+    current: Callable[[], Resident | None],
+    *,
+    first_poll_s: float,
+    max_poll_s: float,
+    http_s: float,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> Resident | None:
+    """Check ``resident``'s engine until it passes; the resident to publish, or ``None``.
+
+    ``current()`` is the resident as it is now (``None`` once it is gone or taken
+    over: the loop ends). While the engine is loading the pause grows from
+    ``first_poll_s`` to ``max_poll_s``; while it serves the wrong id or breaks
+    ``metricsMustMatch`` a ``wrong_model`` alert (subject ``subject``) is raised
+    once per distinct problem and the pause grows from
+    :data:`WRONG_ENGINE_FIRST_S` to :data:`WRONG_ENGINE_MAX_S`.
+    """
+    interval = first_poll_s
+    wrong_interval = WRONG_ENGINE_FIRST_S
+    reported: str | None = None
+    while True:
+        now = current()
+        if now is None:
+            return None
+        if now.endpoint is None:
+            return now  # nothing to probe: the unit's state is all there is (as in verify-up)
+        expect = resident_expectation(host, now)
+        if expect is None:
+            return None
+        verdict = await verify.check(now.endpoint, expect, http_s)
+        if verdict.ok:
+            if reported is not None:
+                log.info("%s now passes verify-up: %s", subject, verdict.detail)
+            return current()
+        if verdict.is_wrong_engine:
+            if verdict.detail != reported:
+                reported = verdict.detail
+                _report_wrong_engine(host, now, subject, expect, verdict)
+            await sleep(wrong_interval)
+            wrong_interval = min(wrong_interval * 2, WRONG_ENGINE_MAX_S)
+            continue
+        await sleep(interval)
+        interval = min(interval * 2, max_poll_s)
+
+
+def _report_wrong_engine(
+    host: ResidentSink,
+    resident: Resident,
+    subject: str,
+    expect: verify.Expectation,
+    verdict: verify.Verdict,
+) -> None:
+    what = (
+        "serves the wrong model"
+        if verdict.outcome is verify.Outcome.WRONG_ID
+        else ("breaks the capacity policy")
+    )
+    host.raise_alert(
+        AlertKind.WRONG_MODEL,
+        Severity.WARNING,
+        subject,
+        f"{subject} {what}: {verdict.detail}; {resident.signature} is never forwarded to "
+        "until it passes verify-up (re-checked with backoff)",
+        {
+            "model": resident.model,
+            "config": resident.config,
+            "device": resident.device,
+            "endpoint": resident.endpoint,
+            "unit": resident.unit,
+            "served": list(verdict.served),
+            "expected": sorted(expect.accepted),
+            "problem": verdict.outcome.value,
+        },
+    )
+
+
+# --------------------------------------------------------------------------- unit sync
 
 
 class UnitSync:
@@ -168,24 +318,30 @@ class UnitSync:
         self._closed = False
 
     async def start(self) -> None:
-        """Listen for changes, then bring every registry unit's resident up to date."""
+        """Listen for changes, then reconcile every resident with the units."""
         if not self._started:
             self.units.on_change(self._on_change)
             self._started = True
         await self.sync_all()
 
     async def sync_all(self) -> None:
-        """Read every registry unit's state now and follow it (start-up, registry reload)."""
+        """Reconcile (module doc): follow every registry unit's state now, then drop the
+        residents no running registry unit backs, then compare with the probe."""
+        states: dict[str, UnitState] = {}
         for unit in registry_units(self.host.registry()):
             try:
                 state = await self.units.state(unit)
             except UnitError as err:
                 log.warning("cannot read the state of %s: %s", unit, err)
                 continue
+            states[unit] = state
+        self._drop_unbacked(states)
+        for unit, state in states.items():
             self.follow(unit, state)
+        await self._compare_probe()
 
     async def close(self) -> None:
-        """Stop every health watcher (the change listener becomes a no-op)."""
+        """Stop every verification watcher (the change listener becomes a no-op)."""
         self._closed = True
         watchers = list(self._watchers.values())
         self._watchers.clear()
@@ -194,6 +350,77 @@ class UnitSync:
         for task in watchers:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    # ------------------------------------------------------------------ reconcile
+
+    def _drop_unbacked(self, states: Mapping[str, UnitState]) -> None:
+        known = registry_units(self.host.registry())
+        for resident in list(self.host.residents()):
+            unit = unit_file_name(resident.unit) if resident.unit else None
+            if unit is None:
+                self._drop_with_alert(resident, "it has no systemd unit to check it against")
+            elif unit not in known:
+                self._drop_with_alert(resident, f"its unit {unit} is not in the registry")
+            elif (
+                unit in states
+                and states[unit].active_state in _DOWN
+                and not self.marks.is_draining(resident_key(resident))  # else a run reports
+            ):
+                state = verify.state_text(states[unit])
+                self._drop_with_alert(resident, f"its unit {unit} is {state}")
+
+    def _drop_with_alert(self, resident: Resident, why: str) -> None:
+        self.host.drop_resident(resident)
+        subject = unit_file_name(resident.unit) if resident.unit else resident.signature
+        self.host.raise_alert(
+            AlertKind.RESIDENT_DROPPED,
+            Severity.WARNING,
+            subject,
+            f"{resident.signature} on {resident.device} was dropped from the residents: {why}",
+            {
+                "model": resident.model,
+                "config": resident.config,
+                "device": resident.device,
+                "unit": resident.unit,
+                "state": resident.state.value,
+            },
+        )
+
+    async def _compare_probe(self) -> None:
+        """Device memory held by processes no resident's unit owns: a ``probe_mismatch``."""
+        try:
+            readings = await self.host.read_devices()
+        except Exception as err:  # the probe is advisory here; the planner reads it itself
+            log.warning("reconcile: cannot read the devices: %s", err)
+            return
+        owned: dict[str, set[int]] = {}
+        for resident in self.host.residents():
+            if resident.unit:
+                pids = await self._pids(resident.unit)
+                owned.setdefault(resident.device, set()).update(pids)
+        for key, reading in readings.items():
+            if reading.kind is not DeviceKind.GPU:
+                continue
+            strangers = [p for p in reading.processes if p.pid not in owned.get(key, set())]
+            if strangers:
+                rows = "; ".join(
+                    f"pid {p.pid} `{p.command or '?'}` {p.used_mib:,.0f} MiB" for p in strangers
+                )
+                self.host.raise_alert(
+                    AlertKind.PROBE_MISMATCH,
+                    Severity.WARNING,
+                    key,
+                    f"{key}: memory is held by processes that are no resident's unit: {rows} "
+                    "(the probe wins: the planner counts that memory as used)",
+                    {"device": key, "pids": [p.pid for p in strangers]},
+                )
+
+    async def _pids(self, unit: str) -> list[int]:
+        try:
+            return await self.units.pids(unit)
+        except UnitError as err:
+            log.warning("cannot list the processes of %s: %s", unit, err)
+            return []
 
     # ------------------------------------------------------------------ following
 
@@ -210,14 +437,16 @@ class UnitSync:
         if active in _DOWN:
             self._stop_watching(unit)
             for gone in self._residents_of(unit):
-                self.host.drop_resident(gone)
+                if active == "failed" and not self.marks.is_draining(resident_key(gone)):
+                    self._drop_with_alert(gone, f"its unit {unit} is {verify.state_text(state)}")
+                else:
+                    self.host.drop_resident(gone)
             return
         if active not in _UP and active not in _STARTING:
             return  # deactivating, or a state systemd may add: leave the resident as it is
         if self.marks.expected_for_unit(unit) is not None:
-            # An enforcement run is starting this unit: its verify-up (health, served
-            # ids, metrics) publishes the resident. Publishing it here, even as
-            # warming, would let admission forward to a backend not verified yet.
+            # An enforcement run is starting this unit: its verify-up (the same
+            # check) publishes the resident.
             self._stop_watching(unit)
             return
         resident = self._resident_for(unit, state)
@@ -228,10 +457,12 @@ class UnitSync:
             self._publish(replace(resident, state=ResidentState.WARMING))
             return
         if resident.state is ResidentState.HOT:
-            self._publish(resident)
+            self._publish(resident)  # verified in this daemon's life, same engine
             return
-        self._publish(replace(resident, state=ResidentState.WARMING))
-        self._watch_health(unit, resident)
+        if resident.state is not ResidentState.PAUSED:
+            resident = replace(resident, state=ResidentState.WARMING)
+        self._publish(resident)
+        self._watch_publication(unit, resident)
 
     def _publish(self, resident: Resident) -> None:
         self.host.put_resident(self.marks.overlay(resident))
@@ -289,13 +520,13 @@ class UnitSync:
             main_pid=state.main_pid or None,
         )
 
-    # ------------------------------------------------------------------ health
+    # ------------------------------------------------------------------ verification
 
-    def _watch_health(self, unit: str, resident: Resident) -> None:
+    def _watch_publication(self, unit: str, resident: Resident) -> None:
         current = self._watchers.get(unit)
         if current is not None and not current.done():
             return
-        task = asyncio.create_task(self._until_healthy(unit, resident), name=f"health-{unit}")
+        task = asyncio.create_task(self._until_verified(unit, resident), name=f"verify-{unit}")
         self._watchers[unit] = task
         task.add_done_callback(lambda done: self._forget(unit, done))
 
@@ -308,24 +539,95 @@ class UnitSync:
         if task is not None:
             task.cancel()
 
-    async def _until_healthy(self, unit: str, resident: Resident) -> None:
-        """Poll ``/health`` until 200, then publish ``hot``. No deadline: a unit that
-        stays up unhealthy stays ``warming``; the watcher ends when the unit goes down."""
-        interval = self.first_poll_s
-        while resident.endpoint is not None:
-            if await engines.health(resident.endpoint, timeout_s=self.http_s):
-                break
-            await asyncio.sleep(interval)
-            interval = min(interval * 2, self.max_poll_s)
-        if self.marks.expected_for_unit(unit) is not None:
-            return  # a run took this unit over meanwhile: its verify-up decides
-        current = next(
-            (r for r in self._residents_of(unit) if r.signature == resident.signature), None
+    async def _until_verified(self, unit: str, resident: Resident) -> None:
+        """Check the engine until it passes (no deadline: a unit that stays up unverified
+        stays ``warming``; the watcher ends when the unit goes down), then publish ``hot``."""
+
+        def current() -> Resident | None:
+            if self.marks.expected_for_unit(unit) is not None:
+                return None  # a run took this unit over: its verify-up decides
+            return next(
+                (r for r in self._residents_of(unit) if r.signature == resident.signature), None
+            )
+
+        verified = await verify_until_ok(
+            self.host,
+            resident,
+            unit,
+            current,
+            first_poll_s=self.first_poll_s,
+            max_poll_s=self.max_poll_s,
+            http_s=self.http_s,
         )
-        if current is not None:  # else it stopped meanwhile
-            self._publish(replace(current, state=ResidentState.HOT))
+        if verified is not None and verified.state is not ResidentState.HOT:
+            self._publish(replace(verified, state=ResidentState.HOT))
 
 
 def _with_pid(resident: Resident, state: UnitState) -> Resident:
+    """The resident with the unit's main PID; a published one whose engine process
+    changed is no longer verified (``warming`` again)."""
     pid = state.main_pid or None
-    return resident if resident.main_pid == pid or pid is None else replace(resident, main_pid=pid)
+    if resident.main_pid == pid or pid is None:
+        return resident
+    if resident.state is ResidentState.HOT and resident.main_pid is not None:
+        return replace(resident, main_pid=pid, state=ResidentState.WARMING)
+    return replace(resident, main_pid=pid)
+
+
+# --------------------------------------------------------------------------- no user manager
+
+
+class LedgerPublication:
+    """Verify restored residents over HTTP where no user manager (no unit sync) runs.
+
+    Each resident that is not ``hot`` is checked like a unit's engine
+    (:func:`verify_until_ok`) and published ``hot`` when it passes; one that
+    never passes stays ``warming`` and is never forwarded to. Without systemd
+    there is no unit to reconcile against, so nothing is dropped here.
+    """
+
+    def __init__(
+        self,
+        host: ResidentSink,
+        *,
+        first_poll_s: float = 0.05,
+        max_poll_s: float = 1.0,
+        http_s: float = engines.PROBE_TIMEOUT_S,
+    ) -> None:
+        self.host = host
+        self.first_poll_s = first_poll_s
+        self.max_poll_s = max_poll_s
+        self.http_s = http_s
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        for resident in self.host.residents():
+            if resident.state in (ResidentState.WARMING, ResidentState.DRAINING):
+                name = f"verify-{resident.signature}"
+                self._tasks.append(asyncio.create_task(self._until_verified(resident), name=name))
+
+    async def _until_verified(self, resident: Resident) -> None:
+        key = resident_key(resident)
+
+        def current() -> Resident | None:
+            return next((r for r in self.host.residents() if resident_key(r) == key), None)
+
+        verified = await verify_until_ok(
+            self.host,
+            resident,
+            resident.unit or resident.signature,
+            current,
+            first_poll_s=self.first_poll_s,
+            max_poll_s=self.max_poll_s,
+            http_s=self.http_s,
+        )
+        if verified is not None and verified.state is not ResidentState.HOT:
+            self.host.put_resident(replace(verified, state=ResidentState.HOT))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,12 +36,26 @@ import pytest
 
 from tests.bus.dbusmock_fixtures import private_bus
 from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
+from uapplace.registry import local_measurements
 from uapplace.sim.gpu import SimGpu, sim_uuid
 
 STARTUP_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0
 POLL_S = 0.05
 SIM_GPU_MIB = 24576
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+SEEDED_PORT = free_port()
+SEEDED_ENDPOINT = f"http://127.0.0.1:{SEEDED_PORT}"
+"""Where the seeded ledgers' ``alpha`` resident serves: :func:`seeded_engine` runs the fake
+engine there, because the daemon forwards only to a resident it verified (publication)."""
 
 MEASURED = {
     "host_rss_mib": 2000,
@@ -66,7 +81,7 @@ TEST_REGISTRY: dict[str, Any] = {
             "display": "Alpha",
             "engine": "llama.cpp",
             "unit": "uap-alpha",
-            "endpoint": "http://127.0.0.1:18080",
+            "endpoint": SEEDED_ENDPOINT,
             "rails": 1,
             "advertises": ["alpha-chat"],
             "configs": {"alpha-q4": {"resident_gpu_mib": 8000, **MEASURED}},
@@ -119,6 +134,21 @@ class UapEnv:
     def registry(self) -> Path:
         return self.config_dir / "model-registry.json"
 
+    @property
+    def local_registry(self) -> Path:
+        return self.home / "model-registry.json"
+
+    def write_registry(self, document: dict[str, Any]) -> None:
+        """The repo file, and this sandbox machine's measurements in the local file.
+
+        Measured figures count only from the machine-local file (spec §4.1), so a
+        sandbox that wants placeable models records them there, as ``measure`` would.
+        """
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.registry.write_text(json.dumps(document, indent=2), encoding="utf-8")
+        local = json.dumps(local_measurements(document), indent=2)
+        self.local_registry.write_text(local, encoding="utf-8")
+
     def seed_ledger(self, document: dict[str, Any]) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
         self.ledger.write_text(json.dumps(document, indent=2), encoding="utf-8")
@@ -134,7 +164,6 @@ def make_env(root: Path, bus_address: str) -> UapEnv:
     for path in dirs.values():
         path.mkdir(parents=True, exist_ok=True)
     dirs["runtime"].chmod(0o700)
-    (dirs["config"] / "model-registry.json").write_text(json.dumps(TEST_REGISTRY, indent=2))
     (dirs["config"] / "capacity-policy.json").write_text(json.dumps({"services": []}))
     sim = root / "sim-gpu.json"
     SimGpu(sim).create([("Simulated GPU 0", SIM_GPU_MIB)])
@@ -155,7 +184,9 @@ def make_env(root: Path, bus_address: str) -> UapEnv:
             "COLUMNS": "200",
         }
     )
-    return UapEnv(root, env, bus_address)
+    uap = UapEnv(root, env, bus_address)
+    uap.write_registry(TEST_REGISTRY)
+    return uap
 
 
 def busctl(address: str, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
@@ -280,6 +311,44 @@ def wait_until(predicate: Any, what: str, timeout: float = 10.0) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up waiting for {what}")
         time.sleep(POLL_S)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def seeded_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The fake engine behind :data:`SEEDED_ENDPOINT`, serving ``alpha``, for the whole tier.
+
+    A daemon restored from a ledger that names ``alpha`` there verifies it (``/health``,
+    ``/v1/models``) before it forwards; tests wait with :func:`wait_published`.
+    """
+    log_path = tmp_path_factory.mktemp("seeded-engine") / "engine.log"
+    env = {k: v for k, v in os.environ.items() if k != "UAPPLACE_SIM_GPU"}
+    argv = [sys.executable, "-m", "uapplace.sim.engine", "--port", str(SEEDED_PORT)]
+    argv += ["--model-id", "alpha", "--advertise", "alpha-chat"]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(
+            lambda: (
+                "listening on" in log_path.read_text(errors="replace") or process.poll() is not None
+            ),
+            "the seeded fake engine to listen",
+            timeout=STARTUP_TIMEOUT_S,
+        )
+        assert process.poll() is None, log_path.read_text(errors="replace")
+        yield
+    finally:
+        process.terminate()
+        process.wait(timeout=STOP_TIMEOUT_S)
+
+
+def wait_published(address: str, model: str = "alpha") -> None:
+    """Until the daemon has verified ``model`` and publishes it ``hot`` (``Residents``)."""
+
+    def hot() -> bool:
+        rows = busctl(address, "get-property", BUS_NAME, OBJECT_PATH, INTERFACE, "Residents")
+        return f'"{model}"' in rows.stdout and '"hot"' in rows.stdout
+
+    wait_until(hot, f"{model} to pass verify-up and be published hot", timeout=STARTUP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

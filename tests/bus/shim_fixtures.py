@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from tests.bus.conftest import DaemonProcess, UapEnv, start_daemon, wait_until
+from tests.bus.conftest import (
+    SEEDED_ENDPOINT,
+    DaemonProcess,
+    UapEnv,
+    start_daemon,
+    wait_published,
+    wait_until,
+)
 from uapplace.paths import BUS_NAME
 
 STARTUP_TIMEOUT_S = 20.0
@@ -39,7 +46,7 @@ SEEDED_RESIDENT: dict[str, Any] = {
     "config": "alpha-q4",
     "device": "gpu0",
     "engine": "llama.cpp",
-    "endpoint": "http://127.0.0.1:18080",
+    "endpoint": SEEDED_ENDPOINT,
     "unit": "uap-alpha",
     "state": "hot",
     "gpu_mib": 8000,
@@ -170,9 +177,10 @@ def seeded_daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
     """A module's daemon on a ledger with ``alpha`` resident, yielded once fully wired."""
     uap_env.seed_ledger(SEEDED_LEDGER)
     started = start_daemon(uap_env)
-    # It logs this once every collaborator is wired: before, writes say "not implemented yet".
+    # It logs this once every collaborator is wired: before, writes say "not available".
     wait_until(lambda: f"owns {BUS_NAME}" in started.log(), "uapplaced to finish wiring")
     try:
+        wait_published(uap_env.bus_address)
         yield started
     finally:
         assert started.stop() == 0, started.log()

@@ -18,9 +18,10 @@ from tests.bus.conftest import (
     call_json,
     make_env,
     run_cli,
+    start_daemon,
     wait_until,
 )
-from tests.bus.dbusmock_fixtures import private_bus
+from tests.bus.dbusmock_fixtures import private_bus, spawn_template
 
 pytestmark = pytest.mark.bus
 
@@ -142,14 +143,13 @@ def test_dismiss(daemon: DaemonProcess) -> None:
     assert f"no pending placement {placement_id}" in again.stderr
 
 
-# --------------------------------------------------------------------------- not built yet
+# --------------------------------------------------------------------------- no user manager
 
 
 @pytest.mark.parametrize(
     ("args", "method"),
     [
         (("load", "alpha"), "Load"),
-        (("unload", "alpha"), "Unload"),
         (("measure", "alpha"), "Measure"),
     ],
 )
@@ -159,6 +159,20 @@ def test_enforcement_commands_without_a_user_manager(
     done = run_cli(daemon.uap, *args)
     assert done.returncode == 1
     assert f"{method} is not available: it needs the systemd user manager" in done.stderr
+
+
+def test_load_shows_the_impact_before_the_daemon_refuses(daemon: DaemonProcess) -> None:
+    done = run_cli(daemon.uap, "load", "alpha")
+    # alpha fits alongside: nothing stops, so no --yes is needed and the call goes out.
+    assert "Load alpha: load_alongside alpha/" in done.stdout
+    assert "It stops nothing." in done.stdout
+    assert "Load is not available" in done.stderr
+
+
+def test_unload_of_a_model_that_is_not_resident_stops_nothing(daemon: DaemonProcess) -> None:
+    done = run_cli(daemon.uap, "unload", "alpha", "--yes")
+    assert done.returncode == 7
+    assert "NotFound: alpha is not resident: nothing to unload" in done.stderr
 
 
 def test_units_and_auto(daemon: DaemonProcess) -> None:
@@ -184,7 +198,8 @@ def test_unknown_model_is_exit_7(daemon: DaemonProcess) -> None:
 def test_consent_flags_refuse_without_yes(daemon: DaemonProcess) -> None:
     done = run_cli(daemon.uap, "auto", "--allow-displace", "beta", "--allow-unload", "alpha")
     assert done.returncode == 1
-    assert "would consent to: displace beta unattended" in done.stdout
+    # allow_displace names the model that may evict others (what the daemon records).
+    assert "would consent to: stop other models unattended to load beta" in done.stdout
     assert "would consent to: unload alpha when it has been idle" in done.stdout
     assert "re-run with --yes" in done.stderr
 
@@ -366,3 +381,51 @@ def test_without_the_daemon_reads_fall_back_and_writes_refuse(
     assert offline.returncode == 0
     assert "validated the files directly" in offline.stderr
     assert json.loads(offline.stdout)["daemon"] is False
+
+
+# --------------------------------------------------------------------------- alerts
+
+
+def test_an_alert_is_notified_and_bannered_until_acknowledged(tmp_path: Path) -> None:
+    """A real alert path: a registry edit that does not load (CONFIG_ERROR, warning).
+
+    The notification reaches the notification daemon (python-dbusmock) on the
+    daemon's bus; `status` shows the red banner until `status --ack` drops it."""
+    (tmp_path / "bus").mkdir()
+    with private_bus("session", tmp_path / "bus") as address:
+        notifications = spawn_template("notification_daemon", address, tmp_path)
+        try:
+            uap = make_env(tmp_path / "uap", address)
+            daemon = start_daemon(uap)
+            try:
+                uap.registry.write_text("{ not json")
+                assert run_cli(uap, "validate").returncode == 1  # the reload that fails
+                alerts = cli_json(uap, "status")["alerts"]
+                assert [(a["kind"], a["severity"]) for a in alerts] == [("config_error", "warning")]
+                assert alerts[0]["subject"] == str(uap.registry)
+
+                def notified() -> list[Any] | None:
+                    calls = notifications.calls("Notify")
+                    return next((c for c in calls if c[3] == "uapplace: config error"), None)
+
+                bubble = wait_until(notified, "the alert's notification")
+                assert str(uap.registry) in bubble[4] and "uapplace status --ack" in bubble[4]
+                assert bubble[6]["urgency"] == 1  # a warning: normal urgency, not critical
+
+                shown = run_cli(uap, "status")
+                assert shown.returncode == 0
+                assert "1 open alert(s)" in shown.stdout
+                assert f"WARNING config_error {alerts[0]['id']}" in shown.stdout
+                assert "uapplace status --ack" in shown.stdout
+
+                assert run_cli(uap, "status", "alr-nope").returncode == 2  # ids need --ack
+                unknown = run_cli(uap, "status", "--ack", "alr-00000000")
+                assert unknown.returncode == 7 and "no open alert alr-00000000" in unknown.stderr
+                acked = cli_json(uap, "status", "--ack", alerts[0]["id"])
+                assert acked == {"acknowledged": [alerts[0]["id"]]}
+                assert cli_json(uap, "status")["alerts"] == []
+                assert "open alert" not in run_cli(uap, "status").stdout
+            finally:
+                assert daemon.stop() == 0
+        finally:
+            notifications.stop()

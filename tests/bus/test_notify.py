@@ -429,3 +429,47 @@ async def test_a_failing_callback_is_logged_and_later_clicks_still_work(
         assert failure.levelno == logging.ERROR and failure.exc_info is not None
     finally:
         await notifier.stop()
+
+
+@pytest.mark.bus
+@pytest.mark.parametrize(
+    ("refusal", "short"),
+    [
+        ("victim set changed: approved [a/q4], now [b/q4]; look at the preview again", "Drifted"),
+        ("another enforcement is running (run-1); retry when it has finished", "Busy"),
+        ("org.uap.placement.apply: polkit denies it", "NotAuthorized"),
+    ],
+)
+async def test_a_refused_click_is_answered_with_a_bubble_saying_why(
+    notification_daemon: MockService, session_bus: str, refusal: str, short: str
+) -> None:
+    from uapplace import errors
+
+    error_type: type[errors.PlacementFailure] = getattr(errors, short)
+
+    async def refusing_apply(placement_id: str, option: int, signature: tuple[str, ...]) -> None:
+        raise error_type(refusal)
+
+    async def on_dismiss(placement_id: str) -> None:
+        raise errors.NotFound(f"no pending placement {placement_id}")
+
+    notifier = Notifier(session_bus, refusing_apply, on_dismiss)
+    try:
+        await notifier.start()
+        await notifier.parked(entry(), plan(displace()), ["claude-code"])
+        notification_daemon.emit("ActionInvoked", "us", 1, "apply:p-1:1")
+
+        def answered() -> list[list[Any]]:
+            return [
+                c for c in notify_calls(notification_daemon) if c[3].startswith("uapplace: not")
+            ]
+
+        await until(lambda: bool(answered()), "a bubble answering the refused click")
+        (call,) = answered()
+        assert call[3] == f"uapplace: not applied ({short})"
+        assert call[4] == refusal and call[5] == []  # says why; no buttons to click again
+        notification_daemon.emit("ActionInvoked", "us", 1, "dismiss:p-1")
+        await until(lambda: len(answered()) == 2, "a bubble answering the refused dismiss")
+        assert answered()[1][3] == "uapplace: not dismissed (NotFound)"
+    finally:
+        await notifier.stop()

@@ -112,9 +112,9 @@ def _auto(changes: dict[str, Any], consent: bool = False) -> Write:
 
 GATED = [
     Gated("Dismiss", lambda c: c.dismiss("plc-000000"), (Action.DISMISS,)),
-    Gated("Apply", lambda c: c.apply("plc-000000", 1, None), (Action.APPLY,)),
-    Gated("Load", lambda c: c.load("alpha"), (Action.LOAD,)),
-    Gated("Unload", lambda c: c.unload("alpha"), (Action.UNLOAD,)),
+    Gated("Apply", lambda c: c.apply("plc-000000", 1, []), (Action.APPLY,)),
+    Gated("Load", lambda c: c.load("alpha", []), (Action.LOAD,)),
+    Gated("Unload", lambda c: c.unload("alpha", ["alpha/alpha-q4"]), (Action.UNLOAD,)),
     Gated("WriteUnits", lambda c: c.write_units(), (Action.WRITE_UNITS,)),
     Gated("Measure", lambda c: c.measure("alpha", "alpha-q4"), (Action.MEASURE,)),
     Gated("Hold", lambda c: c.hold("alpha", "polkit test", "test"), (Action.HOLD,)),
@@ -186,7 +186,7 @@ async def test_with_nothing_allowed_every_write_is_refused_naming_its_action(
         ((Action.DISMISS,), lambda c: c.dismiss(placement_id)),
         (
             (Action.APPLY,),
-            lambda c: c.apply(placement_id, 1, [{"model": "alpha", "config": "alpha-q4"}]),
+            lambda c: c.apply(placement_id, 1, ["alpha/alpha-q4"]),
         ),
     ]
     for actions, write in writes:
@@ -233,7 +233,7 @@ async def test_allowing_dismiss_grants_dismiss_and_nothing_else(
     world.allow(Action.DISMISS)
 
     with pytest.raises(PlacementError) as load:
-        await client.load("alpha")
+        await client.load("alpha", [])
     assert load.value.name == NOT_AUTHORIZED
     assert load.value.message.startswith(f"{Action.LOAD.value}: polkit denies it to uid ")
 
@@ -262,3 +262,26 @@ async def test_the_granted_writes_really_happen(
     written = [Path(p) for p in await client.write_units()]
     assert written, "WriteUnits wrote nothing"
     assert all(p.parent.parent == unit_dir and p.is_file() for p in written), written
+
+
+async def test_releasing_another_connections_hold_needs_release_others(
+    world: PolkitWorld, client: PlacementClient
+) -> None:
+    """HOLD lets a connection release its own hold only; another's needs release-others."""
+    world.allow(Action.HOLD)
+    holder = await PlacementClient.connect(world.address)
+    try:
+        cookie = await holder.hold("alpha", "pinned by another app", "holder-app")
+        with pytest.raises(PlacementError) as refused:
+            await client.release(cookie)
+        assert refused.value.name == NOT_AUTHORIZED
+        assert "holder-app" in refused.value.message
+        assert Action.RELEASE_OTHERS.value in refused.value.message
+        holds = (await client.get_state())["holds"]
+        assert [h["cookie"] for h in holds] == [cookie], "a refused Release ended the hold"
+
+        world.allow(Action.HOLD, Action.RELEASE_OTHERS)
+        await client.release(cookie)
+        assert (await client.get_state())["holds"] == []
+    finally:
+        holder.disconnect()

@@ -15,6 +15,7 @@ from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
 from tests.bus.conftest import (
+    SEEDED_ENDPOINT,
     DaemonProcess,
     busctl,
     call,
@@ -22,6 +23,7 @@ from tests.bus.conftest import (
     make_env,
     spawn_daemon,
     start_daemon,
+    wait_published,
     wait_until,
 )
 from tests.bus.dbusmock_fixtures import private_bus
@@ -194,14 +196,18 @@ async def test_wrong_signature_is_invalid_args(client: PlacementClient) -> None:
 @pytest.mark.parametrize(
     ("member", "signature", "body", "error"),
     [
-        ("Load", "s", ["no-such-model"], "UnknownModel"),
-        ("Unload", "s", ["no-such-model"], "UnknownModel"),
+        ("Load", "sas", ["no-such-model", []], "UnknownModel"),
+        ("Unload", "sas", ["no-such-model", []], "UnknownModel"),
+        ("PreviewUnload", "s", ["no-such-model"], "UnknownModel"),
+        ("PreviewUnload", "s", ["alpha"], "NotFound"),
+        ("Load", "sas", ["alpha", ["no-slash"]], "InvalidArgument"),
+        ("Unload", "sas", ["alpha", ["alpha/"]], "InvalidArgument"),
         ("Hold", "sss", ["no-such-model", "why", "app"], "UnknownModel"),
         ("Hold", "sss", ["alpha", "  ", "app"], "InvalidArgument"),
         ("Release", "u", [4000000], "NotFound"),
-        ("Apply", "sus", ["plc-00beef", 1, ""], "NotFound"),
-        ("Apply", "sus", ["plc-00beef", 1, "{not json"], "InvalidArgument"),
-        ("Apply", "sus", ["plc-00beef", 1, '[{"model": 1}]'], "InvalidArgument"),
+        ("Apply", "suas", ["plc-00beef", 1, []], "NotFound"),
+        ("Apply", "suas", ["plc-00beef", 1, ["/alpha-q4"]], "InvalidArgument"),
+        ("Apply", "suas", ["plc-00beef", 1, ["a/b", "a/b"]], "InvalidArgument"),
         ("SetAutoPolicy", "sb", ['{"bogus": 1}', False], "InvalidArgument"),
         ("SetAutoPolicy", "sb", ['{"allow_displace": ["beta"]}', False], "InvalidArgument"),
         ("Measure", "ss", ["alpha", "no-such-config"], "NotFound"),
@@ -221,7 +227,7 @@ async def test_apply_checks_the_option_range(client: PlacementClient) -> None:
     placement_id = answer["placement_id"]
     listed = await wait_for_options(client, placement_id)
     with pytest.raises(PlacementError) as caught:
-        await client.apply(placement_id, len(listed["options"]) + 1, None)
+        await client.apply(placement_id, len(listed["options"]) + 1, [])
     assert caught.value.short == "InvalidArgument"
     assert "out of range" in caught.value.message
 
@@ -242,8 +248,8 @@ NO_MANAGER = "is not available: it needs the systemd user manager"
 @pytest.mark.parametrize(
     ("member", "signature", "body"),
     [
-        ("Load", "s", ["alpha"]),
-        ("Unload", "s", ["alpha"]),
+        ("Load", "sas", ["alpha", []]),
+        ("Unload", "sas", ["alpha", ["alpha/alpha-q4"]]),
         ("Measure", "ss", ["alpha", "alpha-q4"]),
     ],
 )
@@ -352,6 +358,29 @@ async def test_hold_shows_in_state_until_released(client: PlacementClient) -> No
     assert caught.value.short == "NotFound"
 
 
+async def test_only_the_holding_connection_may_release_its_hold(
+    daemon: DaemonProcess, client: PlacementClient
+) -> None:
+    """(h) A second connection's Release is NotAuthorized and the hold stays.
+
+    Without polkit (this bus has none) release-others is never granted: every
+    client of a user bus is the same user, so the uid rule cannot tell them apart."""
+    holder = await PlacementClient.connect(daemon.uap.bus_address)
+    try:
+        cookie = await holder.hold("alpha", "benchmark running", "bench-app")
+        with pytest.raises(PlacementError) as refused:
+            await client.release(cookie)
+        assert refused.value.short == "NotAuthorized"
+        assert f"hold {cookie} on alpha belongs to bus connection" in refused.value.message
+        assert "(bench-app)" in refused.value.message
+        held = [h for h in (await client.get_state())["holds"] if h["cookie"] == cookie]
+        assert held and held[0]["reason"] == "benchmark running", "the refused Release ended it"
+        await holder.release(cookie)  # its own connection may
+        assert all(h["cookie"] != cookie for h in (await client.get_state())["holds"])
+    finally:
+        holder.disconnect()
+
+
 async def test_hold_ends_when_the_holder_disconnects(
     daemon: DaemonProcess, client: PlacementClient
 ) -> None:
@@ -376,7 +405,7 @@ def seeded_resident() -> dict[str, Any]:
         "config": "alpha-q4",
         "device": "gpu0",
         "engine": "llama.cpp",
-        "endpoint": "http://127.0.0.1:18080",
+        "endpoint": SEEDED_ENDPOINT,
         "unit": "uap-alpha",
         "state": "hot",
         "gpu_mib": 8000,
@@ -408,6 +437,7 @@ def test_a_seeded_resident_forwards_and_its_use_is_recorded(
     )
     daemon = start_daemon(uap)
     try:
+        wait_published(exclusive_bus)
         forward = call_json(exclusive_bus, "Admit", "sssu", "alpha", "fwd", "s", "0")
         advertised = call_json(exclusive_bus, "Admit", "sssu", "alpha-chat", "fwd", "s", "0")
         residents = busctl(
@@ -415,7 +445,7 @@ def test_a_seeded_resident_forwards_and_its_use_is_recorded(
         )
     finally:
         assert daemon.stop() == 0
-    assert forward == ["forward", "gpu0:http://127.0.0.1:18080", "", ""]
+    assert forward == ["forward", f"gpu0:{SEEDED_ENDPOINT}", "", ""]
     assert advertised == forward
     assert residents.stdout.strip() == 'a(ssss) 1 "alpha" "alpha-q4" "gpu0" "hot"'
     ledger = uap.read_ledger()

@@ -19,7 +19,16 @@ from typing import Any
 
 import pytest
 
-from tests.bus.conftest import DaemonProcess, UapEnv, call_json, make_env, start_daemon, wait_until
+from tests.bus.conftest import (
+    SEEDED_ENDPOINT,
+    DaemonProcess,
+    UapEnv,
+    call_json,
+    make_env,
+    start_daemon,
+    wait_published,
+    wait_until,
+)
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.bus.shim_fixtures import (
     SEEDED_LEDGER,
@@ -34,7 +43,7 @@ from tests.bus.shim_fixtures import (
 pytestmark = pytest.mark.bus
 
 ADMIT = "/api/placement/admit"
-FORWARD_ALPHA = b'{"decision":"forward","target_id":"gpu0:http://127.0.0.1:18080"}'
+FORWARD_ALPHA = f'{{"decision":"forward","target_id":"gpu0:{SEEDED_ENDPOINT}"}}'.encode()
 PARK_BYTES = re.compile(
     rb'^\{"decision":"park","placement_id":"(plc-[0-9a-f]{6})","reason":"([a-z_]+)"\}$'
 )
@@ -386,6 +395,7 @@ def test_the_shim_reconnects_after_the_bus_restarts(tmp_path: Path) -> None:
         first = start_daemon(uap)
         survivor = start_shim(uap.env, address, tmp_path)
         try:
+            wait_published(address)
             before = admit(survivor, {"model_id": "alpha"})
         finally:
             assert first.stop() == 0
@@ -394,6 +404,7 @@ def test_the_shim_reconnects_after_the_bus_restarts(tmp_path: Path) -> None:
         with private_bus("session", bus_dir) as address_again:
             second = start_daemon(make_env_on(uap, address_again))
             try:
+                wait_published(address_again)
                 after = admit(survivor, {"model_id": "alpha"})
             finally:
                 assert second.stop() == 0

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.bus.conftest import DaemonProcess, UapEnv, call_json
+from tests.bus.conftest import SEEDED_ENDPOINT, DaemonProcess, UapEnv, call_json
 from tests.bus.shim_fixtures import (
     ShimProcess,
     request,
@@ -272,12 +272,12 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_daemon_survives(
     assert daemon.process.poll() is None, daemon.log()
     assert call_json(uap_env.bus_address, "Admit", "sssu", "alpha", "after-fuzz", "", "0") == [
         "forward",
-        "gpu0:http://127.0.0.1:18080",
+        f"gpu0:{SEEDED_ENDPOINT}",
         "",
         "",
     ]
     after = request(shim.base_url, "POST", "/api/placement/admit", {"model_id": "alpha"})
-    assert after.raw == b'{"decision":"forward","target_id":"gpu0:http://127.0.0.1:18080"}'
+    assert after.raw == f'{{"decision":"forward","target_id":"gpu0:{SEEDED_ENDPOINT}"}}'.encode()
     assert sum(statuses.values()) >= EXAMPLES
     assert 200 in statuses and 400 in statuses, statuses
     print(f"fuzz statuses: {dict(sorted(statuses.items()))}; 503s: {sorted(set(no_machinery))}")

@@ -24,7 +24,16 @@ import pytest
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
-from tests.bus.conftest import DaemonProcess, UapEnv, busctl, make_env, start_daemon, wait_until
+from tests.bus.conftest import (
+    SEEDED_ENDPOINT,
+    DaemonProcess,
+    UapEnv,
+    busctl,
+    make_env,
+    start_daemon,
+    wait_published,
+    wait_until,
+)
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.bus.shim_fixtures import SEEDED_LEDGER, ShimProcess, request, start_shim, without_guid
 from uapplace import shim as shim_module
@@ -36,7 +45,7 @@ from uapplace.shim import BusGateway
 pytestmark = pytest.mark.bus
 
 ADMIT = "/api/placement/admit"
-FORWARD_ALPHA = b'{"decision":"forward","target_id":"gpu0:http://127.0.0.1:18080"}'
+FORWARD_ALPHA = f'{{"decision":"forward","target_id":"gpu0:{SEEDED_ENDPOINT}"}}'.encode()
 ON_PEER = "admits go over the peer socket"
 
 
@@ -46,6 +55,7 @@ def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
     started = start_daemon(uap_env)
     wait_until(lambda: f"owns {BUS_NAME}" in started.log(), "uapplaced to finish wiring")
     try:
+        wait_published(uap_env.bus_address)
         yield started
     finally:
         assert started.stop() == 0, started.log()
@@ -129,6 +139,7 @@ def test_a_listener_that_is_not_the_daemon_is_not_trusted(tmp_path: Path) -> Non
             await listener.start()
             daemon = await asyncio.to_thread(start_daemon, uap)
             try:
+                await asyncio.to_thread(wait_published, address)
                 shim = await asyncio.to_thread(start_shim, uap.env, address, tmp_path)
                 try:
                     answer = await asyncio.to_thread(admit, shim, "wary")

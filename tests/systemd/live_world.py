@@ -150,7 +150,7 @@ async def live_world(
         await units.reload()
         host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
         registry = registry_json(alpha, beta, host_mib)
-        uap.registry.write_text(json.dumps(registry), encoding="utf-8")
+        uap.write_registry(registry)
         (uap.config_dir / "capacity-policy.json").write_text(json.dumps(POLICY), encoding="utf-8")
         uap.home.mkdir(parents=True, exist_ok=True)
         timeouts = uap.home / "enforcement-timeouts.json"

@@ -25,11 +25,13 @@ from typing import Any
 from aiohttp import web
 
 from tests.systemd.conftest import EngineUnit, UnitFiles
+from uapplace.alerts import Alert
 from uapplace.controller import Controller, ProxyHolders, ResidentRow
 from uapplace.enforce import ControllerHost, Enforcer, Timeouts, attach_enforcement
 from uapplace.engines import ProxyClient
 from uapplace.model import PendingEntry, Resident
 from uapplace.paths import Paths
+from uapplace.registry import local_measurements
 from uapplace.sim import proxy as sim_proxy
 from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
 from uapplace.units import UnitManager, UnitState
@@ -60,6 +62,7 @@ class Recorder:
         self.steps: list[tuple[str, str, bool, str]] = []
         self.resolved: list[tuple[str, str]] = []
         self.parked: list[str] = []
+        self.alerts: list[Alert] = []
         self.step_hook: Callable[[str, bool], None] | None = None
         """Called as each step is reported, inside the run (to change the world mid-run)."""
         self._changed = asyncio.Event()
@@ -86,6 +89,10 @@ class Recorder:
         self._changed.set()
 
     def on_residents(self, rows: list[ResidentRow]) -> None:
+        self._changed.set()
+
+    def on_alert(self, alert: Alert) -> None:
+        self.alerts.append(alert)
         self._changed.set()
 
     def poke(self) -> None:
@@ -186,7 +193,13 @@ class World:
             os.kill(pid, signal.SIGKILL)
 
 
-def registry_json(alpha: EngineUnit, beta: EngineUnit, host_mib: int) -> dict[str, Any]:
+def registry_json(
+    alpha: EngineUnit,
+    beta: EngineUnit,
+    host_mib: int,
+    alpha_mib: int = ALPHA_MIB,
+    beta_mib: int = BETA_MIB,
+) -> dict[str, Any]:
     def measured(mib: int) -> dict[str, Any]:
         return {
             "resident_gpu_mib": mib,
@@ -216,7 +229,7 @@ def registry_json(alpha: EngineUnit, beta: EngineUnit, host_mib: int) -> dict[st
                 "engine": "llama.cpp",
                 "unit": alpha.name,
                 "endpoint": alpha.endpoint,
-                "configs": {"a1": measured(ALPHA_MIB)},
+                "configs": {"a1": measured(alpha_mib)},
                 "advertises": ["alpha-latest"],
             },
             "beta": {
@@ -225,7 +238,7 @@ def registry_json(alpha: EngineUnit, beta: EngineUnit, host_mib: int) -> dict[st
                 "unit": beta.name,
                 "endpoint": beta.endpoint,
                 "service": "beta-server",
-                "configs": {"b1": measured(BETA_MIB)},
+                "configs": {"b1": measured(beta_mib)},
                 "advertises": ["beta-latest"],
             },
         },
@@ -245,6 +258,8 @@ async def build_world(
     alpha_service: str = "",
     beta_args: Sequence[str] = (),
     timeouts: Timeouts = FAST,
+    alpha_mib: int = ALPHA_MIB,
+    beta_mib: int = BETA_MIB,
 ) -> World:
     orphan_pidfile = tmp_path / "orphan.pid"
     # The proxy binds first, so the free ports picked for the engines cannot be its.
@@ -257,7 +272,7 @@ async def build_world(
             "alpha",
             "alpha",
             sim,
-            mib=ALPHA_MIB,
+            mib=alpha_mib,
             engine_args=[*load, *alpha_args],
             service=alpha_service,
         )
@@ -265,7 +280,7 @@ async def build_world(
             "beta",
             "beta",
             sim,
-            mib=BETA_MIB,
+            mib=beta_mib,
             engine_args=[*load, "--advertise", "beta-latest", *beta_args],
         )
         await units.reload()
@@ -275,8 +290,11 @@ async def build_world(
         config_dir.mkdir()
         uap_home.mkdir()
         host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
-        registry = registry_json(alpha, beta, host_mib)
+        registry = registry_json(alpha, beta, host_mib, alpha_mib, beta_mib)
         (config_dir / "model-registry.json").write_text(json.dumps(registry), encoding="utf-8")
+        # The figures are this sandbox machine's own: they count only from the local file.
+        local = json.dumps(local_measurements(registry))
+        (uap_home / "model-registry.json").write_text(local, encoding="utf-8")
         (config_dir / "capacity-policy.json").write_text(json.dumps(POLICY), encoding="utf-8")
 
         paths = Paths.from_env(

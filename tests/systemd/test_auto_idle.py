@@ -194,7 +194,7 @@ async def test_an_idle_allowlisted_resident_is_unloaded(with_alpha: Consent) -> 
     assert world.sim.read().allocations == ()
     assert "alpha" not in world.controller.usage
     steps = [step for _run, step, ok, _detail in world.events.steps if ok]
-    assert steps[:4] == ["revalidate", "mark-draining", "drain", "stop"]
+    assert steps[:5] == ["revalidate", "preflight", "mark-draining", "drain", "stop"]
 
 
 async def test_no_unload_with_an_open_connection_a_pending_demand_or_no_consent(

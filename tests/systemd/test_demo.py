@@ -36,6 +36,7 @@ PLACEMENT_ID = re.compile(r"writer-13b: park (plc-[0-9a-f]{6}) \(reason: not_res
 SANDBOX = re.compile(r"sandbox: (/\S+)")
 STEPS = [
     "revalidate",
+    "preflight",
     "mark-draining",
     "drain",
     "stop",
@@ -192,7 +193,7 @@ def test_the_demo_walks_through_a_park_and_an_applied_swap(
         f"resolve  removed coder-7b/q4_k_m; writer-13b/q5_k_m hot on gpu0; resolved {placement_id}"
         in out
     )
-    assert "applied in 9 steps, run run-" in out
+    assert "applied in 10 steps, run run-" in out
     retry = out[out.index("The client retries") :]
     assert "writer-13b: forward → gpu0:http://127.0.0.1:" in retry
     assert "/v1/chat/completions → 'Hello from writer-13b.'" in retry

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.systemd
 CLIENT = {"x-uap-client-id": "e2e-client", "x-uap-session-id": "e2e-session"}
 STEPS = [
     "revalidate",
+    "preflight",
     "mark-draining",
     "drain",
     "stop",

@@ -38,6 +38,7 @@ pytestmark = pytest.mark.systemd
 
 SEQUENCE = [
     "revalidate",
+    "preflight",
     "mark-draining",
     "drain",
     "stop",
@@ -309,7 +310,7 @@ async def test_drain_waits_for_in_flight_work_and_admit_stops_forwarding(world: 
         assert world.state_of("alpha") == "draining"
         # One enforcement at a time: a second operator call is refused at once.
         with pytest.raises(Busy, match="another enforcement is running"):
-            await world.enforcer.load("alpha")
+            await world.enforcer.load("alpha", [])
         world.proxy.set_inflight(target)  # the request finished
         async with asyncio.timeout(GUARD_S):
             result = await run
@@ -338,11 +339,12 @@ async def test_drain_timeout_rolls_back_without_cutting_anyone_off(
     assert result["ok"] is False and result["rolledBack"] is True, result
     assert step_names(result) == [
         "revalidate",
+        "preflight",
         "mark-draining",
         "drain",
         "rollback-clear",
     ]
-    drain = result["steps"][2]
+    drain = result["steps"][3]
     expected = "unknown counts as busy" if unknown else "1 in flight (claude-code)"
     assert expected in drain["detail"] and "nothing was cut off" in drain["detail"]
     # Never stopped, never restarted: alpha ran all along and is hot again.
@@ -370,11 +372,12 @@ async def test_a_changed_victim_set_is_refused_before_anything_is_touched(world:
 
 async def test_unload_drains_stops_and_frees_the_device(world: World) -> None:
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.unload("alpha")
+        result = await world.controller.unload("alpha", ["alpha/a1"])
 
     assert result["ok"] is True, result
     assert step_names(result) == [
         "revalidate",
+        "preflight",
         "mark-draining",
         "drain",
         "stop",
@@ -389,12 +392,12 @@ async def test_unload_drains_stops_and_frees_the_device(world: World) -> None:
 
 async def test_load_with_room_starts_alongside_without_victims(world: World) -> None:
     async with asyncio.timeout(GUARD_S):
-        unloaded = await world.controller.unload("alpha")
+        unloaded = await world.controller.unload("alpha", ["alpha/a1"])
         assert unloaded["ok"], unloaded
-        result = await world.controller.load_model("alpha")
+        result = await world.controller.load_model("alpha", [])
 
     assert result["ok"] is True, result
-    details: Sequence[str] = [s["detail"] for s in result["steps"][1:4]]
+    details: Sequence[str] = [s["detail"] for s in result["steps"][2:5]]
     assert details == ["no victims", "no victims", "no victims"]
     assert world.state_of("alpha") == "hot"
     assert allocations(world) == [ALPHA_MIB]

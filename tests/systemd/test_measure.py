@@ -31,6 +31,11 @@ async def world(
         await close_world(built)
 
 
+def local_text(world: World) -> str:
+    """The machine-local registry as it is (the world writes its own measurements there)."""
+    return world.paths.local_registry.read_text(encoding="utf-8")
+
+
 def measurer(world: World, floor_mib: float = 64.0) -> Measurer:
     return Measurer(
         world.paths,
@@ -55,6 +60,13 @@ async def test_measure_writes_the_local_registry_from_the_live_engine(world: Wor
     written = local["models"]["alpha"]["configs"]["a1"]
     assert written["resident_gpu_mib"] == ALPHA_MIB
     assert written["measured_on"] == "gpu0"
+    # The card it was measured on, compared with the live probe at every registry load.
+    card = world.sim.read().devices[0]
+    assert written["measured_device"] == {
+        "total_mib": card.total_mib,
+        "uuid": sim_uuid(0),
+        "name": card.name,
+    }
     assert written["host_rss_mib"] > 0 and written["host_free_mib"] > 0
     assert written["measured_at"] == result["measurement"]["measured_at"]
     # Geometry from /metrics and /slots (the fake engine: 32768 cells, 1 slot, int8).
@@ -73,18 +85,20 @@ async def test_measure_writes_the_local_registry_from_the_live_engine(world: Wor
 
 
 async def test_measure_refuses_a_unit_that_is_not_running(world: World) -> None:
+    before = local_text(world)
     with pytest.raises(MeasurementRefused, match=r"is not running \(inactive/dead\)"):
         await measurer(world).measure("alpha", "a1")
-    assert not world.paths.local_registry.exists()
+    assert local_text(world) == before
 
 
 async def test_measure_refuses_a_reading_below_the_sanity_floor(world: World) -> None:
     async with asyncio.timeout(GUARD_S):
         await world.start_alpha()
 
+    before = local_text(world)
     with pytest.raises(MeasurementRefused, match="below the sanity floor of 20000 MiB"):
         await measurer(world, floor_mib=20000).measure("alpha", "a1")
-    assert not world.paths.local_registry.exists()
+    assert local_text(world) == before
 
 
 async def test_measure_refuses_a_reserve_larger_than_the_device(world: World) -> None:
@@ -96,9 +110,10 @@ async def test_measure_refuses_a_reserve_larger_than_the_device(world: World) ->
     world.paths.repo_registry.write_text(json.dumps(registry), encoding="utf-8")
     assert await world.controller.reload()
 
+    before = local_text(world)
     with pytest.raises(MeasurementRefused, match=r"reserved_mib for gpu0 \(10,000 MiB\) exceeds"):
         await measurer(world).measure("alpha", "a1")
-    assert not world.paths.local_registry.exists()
+    assert local_text(world) == before
 
 
 async def test_measure_refuses_a_reading_that_includes_a_leftover_allocation(
@@ -124,8 +139,9 @@ async def test_measure_refuses_a_reading_that_includes_a_leftover_allocation(
             await world.events.until(lambda: world.state_of("alpha") == "hot")
         assert orphan in await units.pids(world.alpha.name)
 
+        before = local_text(world)
         with pytest.raises(MeasurementRefused, match=f"pid {orphan} .* predate its main process"):
             await measurer(world).measure("alpha", "a1")
-        assert not world.paths.local_registry.exists()
+        assert local_text(world) == before
     finally:
         await close_world(world)

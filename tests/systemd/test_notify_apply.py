@@ -227,8 +227,7 @@ async def machine(
         for model in MIB
     }
     await units.reload()
-    uap.registry.write_text(json.dumps(registry(engines)), encoding="utf-8")
-    uap.home.mkdir(parents=True, exist_ok=True)
+    uap.write_registry(registry(engines))
     (uap.home / "enforcement-timeouts.json").write_text(json.dumps(TIMEOUTS), encoding="utf-8")
     uap.env["UAP_PROXY_URL"] = proxy_url
     started = await units.start_unit(engines["alpha"].name, GUARD_S)
@@ -317,6 +316,7 @@ async def test_the_apply_button_runs_the_enforcement(machine: Machine) -> None:
     steps = machine.signals.steps()
     assert [s for s, _ok, _d in steps] == [
         "revalidate",
+        "preflight",
         "mark-draining",
         "drain",
         "stop",

@@ -111,7 +111,7 @@ def park(admission: Admission, model: str, client: str = "claude-code") -> Decis
 @pytest.mark.parametrize(
     "requested", [FLASH.key, STRATA.key, "gpt-5.1-codex", "qwen3.8-flash-next-iq3_s"]
 )
-@pytest.mark.parametrize("state", [ResidentState.HOT, ResidentState.WARMING])
+@pytest.mark.parametrize("state", [ResidentState.HOT])  # warming: tests/unit/test_publication.py
 def test_a_serving_resident_forwards(
     admission: Admission, requested: str, state: ResidentState
 ) -> None:

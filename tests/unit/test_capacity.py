@@ -18,7 +18,7 @@ from uapplace.capacity import (
     validate,
 )
 from uapplace.model import Config, Model
-from uapplace.registry import ConfigFileError, RegistryLoad, load_registry
+from uapplace.registry import ConfigFileError, RegistryLoad, load_registry, local_measurements
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 SHIPPED_REGISTRY: dict[str, Any] = json.loads((CONFIG_DIR / "model-registry.json").read_text())
@@ -67,8 +67,9 @@ def load(
     tmp_path: Path, registry: dict[str, Any], local: dict[str, Any] | None = None
 ) -> RegistryLoad:
     local_path = tmp_path / "home" / "model-registry.json"
-    if local is not None:
-        write(local_path, local)
+    # Measured figures count only from the machine-local file: by default this machine
+    # has measured every config the document calls measured.
+    write(local_path, local if local is not None else local_measurements(registry))
     return load_registry(write(tmp_path / "config" / "model-registry.json", registry), local_path)
 
 
@@ -172,13 +173,27 @@ def test_policy_invalid_json_is_an_error(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the shipped files
 
 
-def test_shipped_files_validate_with_only_the_documented_floor_warning() -> None:
-    loaded = load_registry(CONFIG_DIR / "model-registry.json", None)
-    findings = validate(loaded, shipped_policy())
+def test_shipped_files_validate_with_only_the_documented_floor_warning(tmp_path: Path) -> None:
+    findings = validate(load(tmp_path, SHIPPED_REGISTRY), shipped_policy())
     assert not has_errors(findings)
     assert [(f.severity, f.json_path) for f in findings] == [
         ("warning", "$.services[0].gpuMinFreeMiB")
     ]
+
+
+def test_shipped_figures_without_a_local_file_are_descriptive_warnings() -> None:
+    """Spec §4.1: a machine with no local file has no measured footprints."""
+    loaded = load_registry(CONFIG_DIR / "model-registry.json", None)
+    findings = validate(loaded, shipped_policy())
+    assert not has_errors(findings)
+    repo_only = [f for f in findings if "measured only in the repo file" in f.message]
+    assert [f.json_path for f in repo_only] == [
+        "$.models.qwen3.8-flash-next.configs.strata-iq3_s",
+        "$.models.gemma4-26b-a4b.configs.gemma4-q4_k_m-mtp",
+        "$.models.mistral-small-4.configs.mistral-q5_k_m",
+    ]
+    assert all(f.severity == "warning" and "no_measured_config" in f.message for f in repo_only)
+    assert all(f.file == str(CONFIG_DIR / "model-registry.json") for f in repo_only)
 
 
 def test_finding_to_json() -> None:

@@ -343,16 +343,16 @@ async def test_unload_refuses_a_model_that_is_not_resident_or_unknown(
     enforcer = Enforcer(host, units)
 
     with pytest.raises(NotFound, match="beta is not resident"):
-        await enforcer.unload("beta")
+        await enforcer.unload("beta", [])
     with pytest.raises(UnknownModel):
-        await enforcer.unload("nope")
+        await enforcer.unload("nope", [])
 
 
 async def test_unload_refuses_a_held_resident(host: MemoryHost, units: UnitManager) -> None:
     host.bus_holds.append(("alpha", Holder("ide", "hold", "pairing")))
 
     with pytest.raises(Busy, match=r"held on the bus by ide \(pairing\)"):
-        await Enforcer(host, units).unload("alpha")
+        await Enforcer(host, units).unload("alpha", ["alpha/a1"])
 
 
 async def test_an_unitless_victim_is_refused(units: UnitManager) -> None:
@@ -374,8 +374,8 @@ async def test_a_second_operator_call_is_busy_while_one_runs(
     assert enforcer.running is not None and "apply plc-000001 option 1" in enforcer.running
 
     with pytest.raises(Busy, match="another enforcement is running"):
-        await enforcer.load("beta")
-    waiting = asyncio.create_task(enforcer.unload("beta", wait=True))  # queues instead
+        await enforcer.load("beta", [])
+    waiting = asyncio.create_task(enforcer.unload("beta", [], wait=True))  # queues instead
     host.gate.set()
 
     with pytest.raises(Drifted):
@@ -420,3 +420,34 @@ def test_default_device_prefers_measured_on_then_affinity_then_first_gpu() -> No
     assert default_device(reg, model, unmeasured) == "gpu0"
     pinned = replace(model, affinity_devices=("cpu0",))
     assert default_device(reg, pinned, unmeasured) == "cpu0"
+
+
+# --------------------------------------------------------------------------- load/unload signatures
+
+
+async def test_load_that_would_evict_refuses_an_empty_signature_touching_nothing(
+    host: MemoryHost, units: UnitManager
+) -> None:
+    # beta only fits by stopping alpha; [] approves stopping nothing.
+    with pytest.raises(Drifted, match=r"approved \[none\], now \[alpha/a1\]"):
+        await Enforcer(host, units).load("beta", [])
+
+    assert [(s[1], s[2]) for s in host.steps] == [("revalidate", False)]
+    assert [r.state for r in host.live] == [ResidentState.HOT]
+
+
+async def test_load_refuses_a_stale_signature(host: MemoryHost, units: UnitManager) -> None:
+    with pytest.raises(Drifted, match=r"approved \[gamma/g1\], now \[alpha/a1\]"):
+        await Enforcer(host, units).load("beta", ["gamma/g1"])
+
+
+async def test_unload_refuses_a_signature_that_is_not_what_would_stop(
+    host: MemoryHost, units: UnitManager
+) -> None:
+    enforcer = Enforcer(host, units)
+    with pytest.raises(Drifted, match=r"approved \[none\], now \[alpha/a1\]"):
+        await enforcer.unload("alpha", [])
+    with pytest.raises(Drifted, match=r"approved \[alpha/a0\], now \[alpha/a1\]"):
+        await enforcer.unload("alpha", ["alpha/a0"])
+
+    assert [r.state for r in host.live] == [ResidentState.HOT]

@@ -96,12 +96,17 @@ class FakeUnloader:
     def __init__(self, host: Host) -> None:
         self.host = host
         self.calls: list[tuple[str, bool]] = []
+        self.signatures: list[list[str]] = []
+        """The approval signature each unload carried (what the tick judged idle)."""
         self.outcome: bool | Exception = True
         self.gate: asyncio.Event | None = None
         self.started = asyncio.Event()
 
-    async def unload(self, model: str, *, wait: bool = False) -> Mapping[str, Any]:
+    async def unload(
+        self, model: str, expected: Sequence[str], *, wait: bool = False
+    ) -> Mapping[str, Any]:
         self.calls.append((model, wait))
+        self.signatures.append(list(expected))
         self.started.set()
         if self.gate is not None:
             await self.gate.wait()
@@ -464,6 +469,8 @@ async def test_the_unload_queues_behind_a_running_enforcement(rig: Rig) -> None:
     await rig.tick(T0)
     await rig.tick(T0 + WINDOW)
     assert rig.unloader.calls == [("beta", True)]
+    # It carries the signature of what the tick judged idle (Drifted if that changed).
+    assert rig.unloader.signatures == [["beta/beta-q4"]]
 
 
 async def test_the_policy_file_is_re_read_every_tick(rig: Rig) -> None:

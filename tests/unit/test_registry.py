@@ -15,6 +15,7 @@ from uapplace.registry import (
     ConfigFileError,
     RegistryLoad,
     load_registry,
+    local_measurements,
     provenance_rows,
     unit_file_name,
     valid_unit_name,
@@ -91,14 +92,20 @@ def test_shipped_registry_loads_with_the_spec_figures() -> None:
     host = registry.host()
     assert host is not None and host.total_mib == 126944
     strata = registry.models["qwen3.8-flash-next"].configs["strata-iq3_s"]
-    assert strata.is_measured
+    # The spec's figures are descriptive in the repo file: they do not count on this
+    # machine (spec §4.1: a machine with no local file has no measured footprints).
+    assert strata.status is ConfigStatus.MEASURED and not strata.is_measured
+    assert "measured only in the repo file" in strata.untrusted
     assert (strata.resident_gpu_mib, strata.host_rss_mib) == (21812, 52857)
     assert strata.flags[:2] == ("--max-context", "131072")
     qwen27 = registry.models["qwen3.8-27b"]
     assert set(qwen27.configs) == {"llama-mtp", "exl3-4bit", "gsq-rco"}
     assert all(c.status is ConfigStatus.UNMEASURED for c in qwen27.configs.values())
+    assert not any(c.is_measured for m in registry.models.values() for c in m.configs.values())
     measured_on = {
-        model.key: {c.measured_on for c in model.configs.values() if c.is_measured}
+        model.key: {
+            c.measured_on for c in model.configs.values() if c.status is ConfigStatus.MEASURED
+        }
         for model in registry.models.values()
     }
     assert measured_on["gemma4-26b-a4b"] == {"gpu1"}
@@ -373,7 +380,9 @@ def test_local_file_with_invalid_json_is_reported(tmp_path: Path) -> None:
     assert len(loaded.errors) == 1
     assert loaded.errors[0].file == local_path
     assert "invalid JSON at line 1" in loaded.errors[0].message
-    assert loaded.registry.models["alpha"].configs["a-q4"].is_measured
+    # The repo defaults are in force, and their figures are descriptive: fail closed.
+    config = loaded.registry.models["alpha"].configs["a-q4"]
+    assert config.status is ConfigStatus.MEASURED and not config.is_measured
 
 
 def test_local_reference_to_an_unknown_device_is_a_local_error(tmp_path: Path) -> None:
@@ -481,11 +490,15 @@ def test_cost_at_the_session_cap_adds_marginal_kv() -> None:
     assert cost_mib(strata(), DEFAULT_CELLS + 1000) == pytest.approx(21812 + 12.2)
 
 
-def test_cost_of_the_shipped_config_matches_the_spec() -> None:
-    registry = load_registry(CONFIG_DIR / "model-registry.json", None).registry
+def test_cost_of_the_shipped_config_matches_the_spec(tmp_path: Path) -> None:
+    shipped = json.loads((CONFIG_DIR / "model-registry.json").read_text(encoding="utf-8"))
+    local = write(tmp_path / "home" / "model-registry.json", local_measurements(shipped))
+    registry = load_registry(CONFIG_DIR / "model-registry.json", local).registry
     config = registry.models["qwen3.8-flash-next"].configs["strata-iq3_s"]
     assert cost_mib(config, 32768) == 21812
     assert cost_mib(config, 114688) == pytest.approx(22811.424)
+    repo_only = load_registry(CONFIG_DIR / "model-registry.json", None).registry
+    assert cost_mib(repo_only.models["qwen3.8-flash-next"].configs["strata-iq3_s"], 1) is None
 
 
 def test_cost_is_unknown_when_unmeasured() -> None:

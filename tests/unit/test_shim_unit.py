@@ -27,7 +27,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer, make_mocked_request
 
 from uapplace.client import PlacementError
-from uapplace.errors import Failed, not_implemented, unavailable
+from uapplace.errors import Failed, unavailable
 from uapplace.metrics import Counter, Histogram, ShimMetrics, state_gauges
 from uapplace.model import DEFAULT_CELLS
 from uapplace.shim import (
@@ -95,6 +95,7 @@ async def call(
         sent[TOKEN_HEADER] = token
     if body is not None:
         data = json.dumps(body).encode()
+    if data is not None:  # as the proxy sends it (admit takes application/json only)
         sent.setdefault("Content-Type", "application/json")
     async with http.request(method, base + path, data=data, headers=sent) as response:
         raw = await response.read()
@@ -353,7 +354,8 @@ async def test_chunked_body_over_10_kib_is_413(
             yield b"x" * 1024
         yield b'"}'
 
-    async with http.post(base + ROUTES["admit"], data=chunks()) as response:
+    json_type = {"Content-Type": "application/json"}
+    async with http.post(base + ROUTES["admit"], data=chunks(), headers=json_type) as response:
         assert response.status == 413
         assert await response.read() == b'{"error":"request body over 10240 bytes"}'
 
@@ -792,7 +794,7 @@ def bus_error(short: str, message: str) -> PlacementError:
 async def test_bus_errors_map_to_statuses(short: str, status: int) -> None:
     shim = scripted_shim(bus_error(short, "what went wrong"))
     with pytest.raises(HttpError) as answered:
-        await shim.bus("Load", 1.0, lambda client: client.load("m"))
+        await shim.bus("Load", 1.0, lambda client: client.load("m", []))
     assert answered.value.status == status
     assert answered.value.bus_error == short
     expected = "what went wrong" if status != 502 else "SomethingNew: what went wrong"
@@ -826,7 +828,7 @@ async def test_drifted_resolve_is_409_with_an_apply_style_body() -> None:
     message = "victim set changed: approved [alpha/alpha-q4], now [beta/beta-q8]"
     shim = scripted_shim(bus_error("Drifted", message))
     with pytest.raises(HttpError) as answered:
-        await shim.enforcement("resolve", "Apply", "plc-0a1b2c", lambda c: c.apply("x", 1, None))
+        await shim.enforcement("resolve", "Apply", "plc-0a1b2c", lambda c: c.apply("x", 1, []))
     assert answered.value.status == 409
     assert answered.value.body == {
         "ok": False,
@@ -841,14 +843,14 @@ async def test_drifted_resolve_is_409_with_an_apply_style_body() -> None:
     "failure",
     [
         unavailable("Apply", "it needs the systemd user manager, and it is not on this bus"),
-        not_implemented("Load"),
+        unavailable("Load", "uapplaced has not wired it (it is still starting)"),
     ],
 )
 async def test_missing_machinery_is_503_with_the_daemons_message(failure: Failed) -> None:
     """The daemon is up but cannot enforce here: not a failure of the request (500)."""
     shim = scripted_shim(PlacementError(failure.bus_name, str(failure)))
     with pytest.raises(HttpError) as answered:
-        await shim.enforcement("resolve", "Apply", "plc-0a1b2c", lambda c: c.apply("x", 1, None))
+        await shim.enforcement("resolve", "Apply", "plc-0a1b2c", lambda c: c.apply("x", 1, []))
     assert (answered.value.status, answered.value.message) == (503, str(failure))
     assert shim.metrics.enforcements.get("resolve", "unavailable") == 1
 

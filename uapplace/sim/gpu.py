@@ -36,7 +36,9 @@ from typing import Any, Literal
 import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from uapplace.ledger import LockTimeout, atomic_write, describe_validation_error, exclusive_lock
+from uapplace import jsonfile
+from uapplace.jsonfile import ConfigFileError, atomic_write
+from uapplace.ledger import LockTimeout, describe_validation_error, exclusive_lock
 
 SIM_UUID_PREFIX = "GPU-sim-"
 LOCK_TIMEOUT_S = 10.0
@@ -44,6 +46,11 @@ LOCK_TIMEOUT_S = 10.0
 
 class SimGpuError(Exception):
     """A missing or invalid state file, an unknown device, or a bad argument."""
+
+
+class SimGpuFileError(ConfigFileError, SimGpuError):
+    """The state file is unreadable, over 4 MiB, nested too deep, not JSON, or holds a
+    number that is not finite (:mod:`uapplace.jsonfile`); names file and JSON path."""
 
 
 class SimGpuOutOfMemory(SimGpuError):
@@ -230,15 +237,12 @@ class SimGpu:
 
     def _read_file(self) -> SimState:
         try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise self._missing() from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise SimGpuError(f"{self.path}: cannot read: {err}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise SimGpuError(f"{self.path}: invalid JSON: {err}") from None
+            raw = jsonfile.read_capped_or_none(self.path)
+            if raw is None:
+                raise self._missing()
+            data = jsonfile.parse_json(raw, self.path)
+        except ConfigFileError as err:
+            raise SimGpuFileError(err.file, err.json_path, err.message) from None
         return _state_from_json(data, self.path)
 
     def _mutate(self, change: Callable[[SimState], SimState]) -> None:
@@ -248,7 +252,7 @@ class SimGpu:
             self._write(state)
 
     def _write(self, state: SimState) -> None:
-        text = json.dumps(_state_to_json(state), indent=2) + "\n"
+        text = jsonfile.dumps(_state_to_json(state), indent=2) + "\n"
         atomic_write(self.path, text, mode=0o644, sync=False)
 
     @contextmanager

@@ -1,0 +1,315 @@
+"""Publication and reconcile on real units (DESIGN.md §5a invariants 2 and 5, issue 10 e).
+
+Two layers:
+
+- in-process (:mod:`tests.systemd.placement_world`: the real controller, unit sync
+  and enforcer on the contained ``systemd --user``): a wrong-id engine started by
+  hand, the reconcile that drops residents no running registry unit backs;
+- the real ``uapplaced`` process on that manager's bus: a wrong-id engine found
+  running at start-up and one started by hand are never forwarded to and are
+  reported in ``GetState``'s alerts; a daemon restarted over a ledger that says
+  ``hot`` answers ``park``/``warming`` until its own verify-up passes (the engine
+  is frozen with SIGSTOP, so "not yet" is a fact, not a race), then forwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
+from tests.systemd.conftest import EngineUnit, UnitFiles
+from tests.systemd.placement_world import GUARD_S, World, build_world, close_world
+from uapplace.alerts import AlertKind
+from uapplace.client import PlacementClient
+from uapplace.sim.gpu import SimGpu, sim_uuid
+from uapplace.sim.usermanager import ContainedUserManager
+from uapplace.units import UnitManager
+
+pytestmark = pytest.mark.systemd
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+@pytest.fixture
+async def world(
+    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
+) -> AsyncIterator[World]:
+    built = await build_world(tmp_path, units, unit_files, sim_gpu, beta_args=["--wrong-id"])
+    try:
+        yield built
+    finally:
+        await close_world(built)
+
+
+async def test_a_wrong_id_unit_started_by_hand_is_reported_and_never_published(
+    world: World,
+) -> None:
+    parked = world.controller.admit("beta", "client-1", "", 0)
+    assert parked.reason == "not_resident"
+    started = await world.units.start_unit(world.beta.name, GUARD_S)
+    assert started.ok, started
+
+    def reported() -> bool:
+        return any(a.kind is AlertKind.WRONG_MODEL for a in world.events.alerts)
+
+    await world.events.until(reported)
+    alert = next(a for a in world.events.alerts if a.kind is AlertKind.WRONG_MODEL)
+    assert alert.subject == world.beta.name
+    assert alert.detail["served"] == ["wrong-beta"]
+    assert "beta" in alert.detail["expected"] and "beta-latest" in alert.detail["expected"]
+    assert world.state_of("beta") == "warming"
+    for requested in ("beta", "beta-latest", "b1"):
+        decision = world.controller.admit(requested, "client-1", "", 0)
+        assert (decision.decision, decision.reason) == ("park", "warming"), requested
+    assert "hot" not in world.events.states_of("beta")
+    assert (parked.placement_id, "forwarded") not in world.events.resolved
+    assert world.controller.admission.get(parked.placement_id) is not None
+
+
+async def test_reconcile_drops_residents_no_running_registry_unit_backs(world: World) -> None:
+    await world.start_alpha()
+    alpha = world.resident("alpha")
+    assert alpha is not None
+    # What a stale ledger may hold: beta "hot" with its unit stopped, and a resident
+    # whose unit left the registry.
+    stale_beta = replace(
+        alpha, model="beta", config="b1", unit=world.beta.name, endpoint=world.beta.endpoint
+    )
+    gone_unit = replace(alpha, model="alpha", config="a1", device="gpu1", unit="left.service")
+    world.controller.upsert_resident(stale_beta)
+    world.controller.upsert_resident(gone_unit)
+
+    await world.sync.sync_all()
+
+    assert [(r.model, r.device) for r in world.controller.residents] == [("alpha", "gpu0")]
+    dropped = {a.subject: a for a in world.events.alerts if a.kind is AlertKind.RESIDENT_DROPPED}
+    assert set(dropped) == {world.beta.name, "left.service"}
+    assert "is inactive/dead" in dropped[world.beta.name].message
+    assert "not in the registry" in dropped["left.service"].message
+    assert world.state_of("alpha") == "hot"
+
+
+async def test_a_crashed_unit_drops_its_resident_with_an_alert(world: World) -> None:
+    await world.start_alpha()
+    pid = (await world.units.state(world.alpha.name)).main_pid
+    os.kill(pid, signal.SIGKILL)
+    await world.events.until(lambda: world.resident("alpha") is None)
+    alert = next(a for a in world.events.alerts if a.kind is AlertKind.RESIDENT_DROPPED)
+    assert alert.subject == world.alpha.name
+    assert "failed" in alert.message
+
+
+# --------------------------------------------------------------------------- the daemon
+
+
+@dataclass
+class Machine:
+    uap: UapEnv
+    client: PlacementClient
+    units: UnitManager
+    engines: dict[str, EngineUnit]
+    daemons: list[DaemonProcess]
+
+    @property
+    def daemon(self) -> DaemonProcess:
+        return self.daemons[-1]
+
+    async def until(self, what: str, check: Callable[[], Any]) -> Any:
+        try:
+            async with asyncio.timeout(GUARD_S):
+                while True:
+                    value = await check()
+                    if value:
+                        return value
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            raise AssertionError(
+                f"gave up waiting for {what}; uapplaced log:\n{self.daemon.log()[-4000:]}"
+            ) from None
+
+    async def state(self) -> dict[str, Any]:
+        state: dict[str, Any] = await self.client.get_state()
+        return state
+
+    async def resident_state(self, model: str) -> str | None:
+        rows = (await self.state())["residents"]
+        return next((r["state"] for r in rows if r["model"] == model), None)
+
+    async def wrong_model_alert(self, unit: str) -> dict[str, Any] | None:
+        alerts = (await self.state())["alerts"]
+        return next(
+            (a for a in alerts if a["kind"] == "wrong_model" and a["subject"] == unit), None
+        )
+
+    async def start_daemon(self) -> None:
+        self.daemons.append(await asyncio.to_thread(start_daemon, self.uap))
+
+
+MIB = {"alpha": 8000, "beta": 6000, "gamma": 6000}
+
+
+def registry(engines: dict[str, EngineUnit]) -> dict[str, Any]:
+    host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
+    return {
+        "version": 1,
+        "devices": {
+            "gpu0": {
+                "kind": "gpu",
+                "name": "Simulated GPU 0",
+                "total_mib": 24576,
+                "reserved_mib": 0,
+                "uuid": sim_uuid(0),
+            },
+            "cpu0": {"kind": "cpu", "total_mib": host_mib, "reserved_mib": 256},
+        },
+        "models": {
+            model: {
+                "display": model.title(),
+                "engine": "llama.cpp",
+                "unit": unit.name,
+                "endpoint": unit.endpoint,
+                "advertises": [f"{model}-latest"],
+                "configs": {
+                    f"{model[0]}1": {
+                        "resident_gpu_mib": MIB[model],
+                        "host_rss_mib": 64,
+                        "kv_resident_cells": 32768,
+                        "context_pool_cells": 32768,
+                        "measured_at": "2026-10-08T14:02:00Z",
+                        "measured_on": "gpu0",
+                    }
+                },
+            }
+            for model, unit in engines.items()
+        },
+    }
+
+
+@pytest.fixture
+async def machine(
+    user_manager: ContainedUserManager,
+    units: UnitManager,
+    unit_files: UnitFiles,
+    tmp_path: Path,
+) -> AsyncIterator[Machine]:
+    """alpha serves its id; beta and gamma serve ``wrong-<id>``. beta runs before the daemon."""
+    address = user_manager.bus_address
+    uap = make_env(tmp_path / "uap", address)
+    sim = SimGpu(uap.root / "sim-gpu.json")
+    wrong = ["--wrong-id"]
+    engines = {
+        model: unit_files.engine(
+            model,
+            model,
+            sim,
+            mib=MIB[model],
+            engine_args=["--load-secs", "0.2", *(wrong if model != "alpha" else [])],
+        )
+        for model in MIB
+    }
+    await units.reload()
+    uap.write_registry(registry(engines))
+    for model in ("alpha", "beta"):
+        started = await units.start_unit(engines[model].name, GUARD_S)
+        assert started.ok, started
+    daemons: list[DaemonProcess] = []
+    client: PlacementClient | None = None
+    try:
+        daemons.append(await asyncio.to_thread(start_daemon, uap))
+        client = await PlacementClient.connect(address)
+        yield Machine(uap, client, units, engines, daemons)
+    finally:
+        if client is not None:
+            client.disconnect()
+        codes = [await asyncio.to_thread(d.stop) for d in daemons if d.process.poll() is None]
+        for engine in engines.values():  # a test may have frozen one (SIGSTOP)
+            pid = (await units.state(engine.name)).main_pid
+            if pid:
+                os.kill(pid, signal.SIGCONT)
+    assert all(code == 0 for code in codes), codes
+
+
+async def test_wrong_id_engines_found_at_start_and_started_by_hand_are_never_forwarded(
+    machine: Machine,
+) -> None:
+    beta = machine.engines["beta"].name
+    found = await machine.until("beta's wrong_model alert", lambda: machine.wrong_model_alert(beta))
+    assert found["severity"] == "warning"
+    assert found["detail"]["served"] == ["wrong-beta"]
+    await machine.until("alpha verified", lambda: _is(machine.resident_state("alpha"), "hot"))
+
+    started = await machine.units.start_unit(machine.engines["gamma"].name, GUARD_S)
+    assert started.ok, started
+    gamma = machine.engines["gamma"].name
+    by_hand = await machine.until("gamma's alert", lambda: machine.wrong_model_alert(gamma))
+    assert by_hand["detail"]["served"] == ["wrong-gamma"]
+
+    for model in ("beta", "beta-latest", "gamma", "gamma-latest"):
+        decision = await machine.client.admit(model, "client-1", "", 0)
+        assert decision["decision"] == "park", (model, decision)
+        assert decision["reason"] == "warming", (model, decision)
+    assert await machine.resident_state("beta") == "warming"
+    assert await machine.resident_state("gamma") == "warming"
+    forwarded = await machine.client.admit("alpha-latest", "client-1", "", 0)
+    assert forwarded == {
+        "decision": "forward",
+        "target_id": f"gpu0:{machine.engines['alpha'].endpoint}",
+    }
+    pending = {e["requested_model"] for e in (await machine.client.list_pending())["pending"]}
+    assert {"beta", "beta-latest", "gamma", "gamma-latest"} <= pending  # none "forwarded"
+
+
+async def test_a_restarted_daemon_parks_warming_until_its_own_verify_up(
+    machine: Machine,
+) -> None:
+    alpha = machine.engines["alpha"]
+    await machine.until("alpha verified", lambda: _is(machine.resident_state("alpha"), "hot"))
+
+    def ledger_says_hot() -> bool:
+        rows = machine.uap.read_ledger().get("residents", [])
+        return any(r["model"] == "alpha" and r["state"] == "hot" for r in rows)
+
+    await machine.until("the ledger to record alpha hot", _sync(ledger_says_hot))
+    first = machine.daemon
+    first.process.kill()  # SIGKILL: the ledger still says hot
+    await asyncio.to_thread(first.process.wait)
+    pid = (await machine.units.state(alpha.name)).main_pid
+    os.kill(pid, signal.SIGSTOP)  # the engine hangs: /health cannot answer
+    try:
+        await machine.start_daemon()
+        parked = await machine.client.admit("alpha", "client-2", "", 0)
+        assert parked["decision"] == "park" and parked["reason"] == "warming", parked
+        assert await machine.resident_state("alpha") == "warming"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    async def forwarded() -> dict[str, str] | None:
+        answer = await machine.client.admit("alpha", "client-2", "", 0)
+        return answer if answer["decision"] == "forward" else None
+
+    answer = await machine.until("a forward after verify-up", forwarded)
+    assert answer["target_id"] == f"gpu0:{alpha.endpoint}"
+    resolved = (await machine.client.list_pending())["pending"]
+    assert parked["placement_id"] not in {e["id"] for e in resolved}
+
+
+async def _is(value: Any, expected: Any) -> bool:
+    return bool(await value == expected)
+
+
+def _sync(check: Callable[[], T]) -> Callable[[], Any]:
+    async def wrapped() -> T:
+        return check()
+
+    return wrapped
