@@ -43,6 +43,7 @@ bench: setup
 	$(BIN)/python bench/bench_bus.py
 	$(BIN)/python bench/bench_shim.py
 	$(BIN)/python bench/bench_swap.py
+	$(BIN)/python bench/flood_rss.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache

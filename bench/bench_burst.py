@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,11 +48,13 @@ from tests.bus.burst import (  # noqa: E402
     spawn_daemon_unfixed,
 )
 from tests.bus.conftest import (  # noqa: E402
+    SEEDED_PORT,
     DaemonProcess,
     UapEnv,
     make_env,
     name_has_owner,
     spawn_daemon,
+    wait_published,
     wait_until,
 )
 from tests.bus.dbusmock_fixtures import private_bus  # noqa: E402
@@ -76,6 +82,31 @@ class Tally:
         )
 
 
+@contextlib.contextmanager
+def seeded_engine(directory: Path) -> Iterator[None]:
+    """The fake engine serving ``alpha`` where the seeded ledger says (so ``Admit`` forwards)."""
+    log_path = directory / "engine.log"
+    argv = [sys.executable, "-m", "uapplace.sim.engine", "--port", str(SEEDED_PORT)]
+    argv += ["--model-id", "alpha", "--advertise", "alpha-chat"]
+    env = {k: v for k, v in os.environ.items() if k != "UAPPLACE_SIM_GPU"}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(
+            lambda: (
+                "listening on" in log_path.read_text(errors="replace") or process.poll() is not None
+            ),
+            "the fake engine to listen",
+            STARTUP_TIMEOUT_S,
+        )
+        if process.poll() is not None:
+            raise RuntimeError(f"the fake engine exited:\n{log_path.read_text()}")
+        yield
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
 def start(uap: UapEnv, fixed: bool) -> DaemonProcess:
     daemon = spawn_daemon(uap) if fixed else spawn_daemon_unfixed(uap)
     wait_until(
@@ -90,6 +121,7 @@ def start(uap: UapEnv, fixed: bool) -> DaemonProcess:
     )
     if daemon.process.poll() is not None:
         raise RuntimeError(f"uapplaced exited at start:\n{daemon.log()}")
+    wait_published(uap.bus_address)
     return daemon
 
 
@@ -98,6 +130,7 @@ def measure(label: str, fixed: bool, args: argparse.Namespace) -> Tally:
     with (
         tempfile.TemporaryDirectory(prefix="bench-burst-") as raw,
         private_bus("session", Path(raw)) as address,
+        seeded_engine(Path(raw)),
     ):
         uap = make_env(Path(raw) / "world", address)
         uap.seed_ledger(SEEDED_LEDGER)

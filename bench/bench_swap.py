@@ -334,7 +334,7 @@ def main() -> int:
         return 130
     except PlacementError as err:
         print(f"bench_swap: the daemon refused: {err}", file=sys.stderr)
-        if "not implemented" in err.message:
+        if "is not available" in err.message:
             print(
                 "  (this uapplaced has no enforcement wired: try --via inprocess)", file=sys.stderr
             )

@@ -13,6 +13,7 @@ condition                                              answer
 =====================================================  ===================================
 empty model id (a bus caller; the shim answers 400)    park ``invalid_request``, no entry
 a ``hot`` resident that serves the id                 forward ``<device>:<endpoint>``
+id over 1,024 characters the registry does not name    park ``invalid_request``, no entry
 a live pending entry for ``(client, model)``           park, same id, the entry's reason
                                                        (``warming`` while only a warming
                                                        resident serves the id)
@@ -61,6 +62,9 @@ key pins, else at every config of the model.
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import ctypes.util
 import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -89,6 +93,37 @@ PLACEMENT_ID = re.compile(r"^plc-[0-9a-f]{6}$")
 _ID_ATTEMPTS = 64
 _SERVING_STATES = frozenset({ResidentState.HOT})
 """Only a resident that passed verify-up in this daemon's life is forwarded to."""
+
+
+TRIM_AFTER_EXPIRED = 64
+"""An expiry sweep that frees at least this many entries hands freed heap back to the OS."""
+
+
+def return_freed_memory() -> None:
+    """Ask glibc to give freed heap pages back to the OS (``malloc_trim(0)``).
+
+    After a flood the entries, their 1 KB ids, the signals and the ledger texts are
+    freed, but glibc keeps freed blocks in its arenas: RSS stays at the flood's peak
+    (measured by ``bench/flood_rss.py``). ``malloc_trim`` releases what is free, in a
+    few milliseconds; the controller runs it in a thread after a large expiry. Where the
+    C library has no ``malloc_trim`` (musl) it does nothing: RSS stays high, bounded by
+    the caps.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+
+
+async def return_freed_memory_soon(delay_s: float = 1.0) -> None:
+    """:func:`return_freed_memory` in a thread, once the ledger write that follows an
+    expiry sweep has dropped its (large) texts too."""
+    await asyncio.sleep(delay_s)
+    await asyncio.to_thread(return_freed_memory)
 
 
 def new_placement_id() -> str:

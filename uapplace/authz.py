@@ -30,7 +30,7 @@ from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusFastError
 
-from uapplace import errors
+from uapplace import busio, errors
 from uapplace.client import bus_daemon_message
 
 log = logging.getLogger(__name__)
@@ -321,7 +321,7 @@ class Authorizer:
             return self._system_bus
         try:
             async with asyncio.timeout(BUS_CALL_TIMEOUT):
-                bus = MessageBus(bus_address=self.system_bus_address, bus_type=BusType.SYSTEM)
+                bus = busio.Bus(bus_address=self.system_bus_address, bus_type=BusType.SYSTEM)
                 self._system_bus = await bus.connect()
         except (TimeoutError, DBusFastError, OSError, EOFError) as err:
             log.debug("system bus %s: %s", self.system_bus_address, err)

@@ -20,8 +20,10 @@ connection as before, and then every message still queued has its future
 failed rather than left pending forever.
 
 :class:`Bus` is dbus-fast's ``MessageBus`` whose connections always use that
-writer, and :func:`connect` is how uapplace opens every bus connection (daemon,
-shim, CLI, client, peer socket). It leans on two dbus-fast internals:
+writer, and :func:`connect` (or ``Bus(...)`` itself) is how uapplace opens every
+bus connection: the daemon's, its notifier's and polkit's, the shim's, the CLI's
+(:class:`uapplace.client.PlacementClient`), ``install``'s and the demo's, and both
+ends of the peer socket (:mod:`uapplace.peer`). It leans on two dbus-fast internals:
 ``_MessageWriter`` (subclassed) and the ``_writer`` slot that ``connect()``
 assigns (intercepted below); ``pyproject.toml`` pins ``dbus-fast<6`` and
 ``tests/unit/test_busio.py`` checks both, so a change upstream fails a test

@@ -46,6 +46,7 @@ from uapplace.registry import (
     valid_unit_name,
     validation_errors,
 )
+from uapplace.topology import single_upstream_problems
 
 MetricValue = StrictStr | StrictInt | StrictFloat
 
@@ -253,7 +254,24 @@ def validate(load: RegistryLoad, policy: CapacityPolicy | None) -> list[Finding]
             findings.extend(_config_rules(check, model, config))
     findings.extend(_policy_rules(check))
     findings.extend(_trust_rules(check))
+    findings.extend(topology_findings(load))
     return list(dict.fromkeys(findings))
+
+
+def topology_findings(load: RegistryLoad) -> list[Finding]:
+    """With ``proxy.single_upstream`` set, every model or config the proxy cannot reach
+    after a switch is an error (:func:`uapplace.topology.single_upstream_problems`)."""
+    upstream = load.registry.single_upstream
+    if upstream is None:
+        return []
+    findings = []
+    for problem in single_upstream_problems(load.registry, upstream):
+        where: tuple[str, ...] = ("models", problem.model)
+        if problem.config is not None:
+            where += ("configs", problem.config)
+        path = json_path((*where, "endpoint"))
+        findings.append(Finding("error", str(load.repo_path), path, problem.message))
+    return findings
 
 
 def _trust_rules(check: _Checker) -> Iterator[Finding]:
@@ -275,9 +293,7 @@ def _trust_rules(check: _Checker) -> Iterator[Finding]:
                 message = f"{config.untrusted}; it is treated as unmeasured (no_measured_config)"
                 yield Finding("warning", str(check.load.repo_path), entry, message)
             elif config.engine_build is not None and config.engine_build != model.engine_build:
-                yield check.config_finding(
-                    "error", model, config, "engine_build", config.untrusted
-                )
+                yield check.config_finding("error", model, config, "engine_build", config.untrusted)
 
 
 def _load_error(err: ConfigFileError) -> Finding:
@@ -285,7 +301,8 @@ def _load_error(err: ConfigFileError) -> Finding:
         "error",
         str(err.file),
         err.json_path,
-        f"{err.message} (this file was ignored; repo defaults are in use)",
+        f"{err.message} (this file was ignored; repo defaults are in use, and their figures "
+        "are descriptive: no config counts as measured until it is fixed)",
     )
 
 

@@ -214,16 +214,17 @@ def _root(
 
 def _read_ledger(paths: Paths) -> dict[str, Any]:
     """The ledger file, read-only (never moved aside: that is the daemon's job)."""
+    from uapplace.jsonfile import LEDGER_MAX_BYTES, ConfigFileError, read_capped_or_none
     from uapplace.ledger import LedgerFormatError, doc_to_json, parse_ledger_text
 
     try:
-        raw = paths.ledger.read_bytes()
-    except FileNotFoundError:
+        raw = read_capped_or_none(paths.ledger, LEDGER_MAX_BYTES)
+    except ConfigFileError as error:
+        _fail(EXIT_UNREACHABLE, f"uapplaced is not running, and {error}")
+    if raw is None:
         return {"version": 1, "devices": {}, "residents": [], "pending": [], "usage": {}}
-    except OSError as error:
-        _fail(EXIT_UNREACHABLE, f"uapplaced is not running, and {paths.ledger}: {error}")
     try:
-        doc = parse_ledger_text(raw)
+        doc = parse_ledger_text(raw, paths.ledger)
     except LedgerFormatError as error:
         _fail(
             EXIT_REFUSED,
@@ -315,6 +316,7 @@ def status(
         out.print(residents)
     else:
         out.print("Residents: none")
+    _targets_table(state.get("targets"))
     holds = state.get("holds", [])
     for hold in holds:
         out.print(
@@ -327,6 +329,35 @@ def status(
     registry = state.get("registry") or {}
     if registry.get("reload_error"):
         out.print(f"registry reload failed: {registry['reload_error']}", markup=False)
+
+
+def _targets_table(targets: object) -> None:
+    """Per-target rails (issue 13): what a proxy sizes its slots from, and where it came from."""
+    if not isinstance(targets, list) or not targets:
+        return
+    table = Table(title="Targets (rails)", title_justify="left")
+    for column in ("target", "model", "rails", "source", "state", "registry", "live"):
+        table.add_column(column)
+    for row in targets:
+        if not isinstance(row, dict):
+            continue
+        live = row.get("live") or {}
+        live_text = (
+            str(live.get("rails"))
+            if live.get("state") == "ok"
+            else f"{live.get('state', '?')}: {live.get('detail', '')}"
+        )
+        rails = row.get("rails")
+        table.add_row(
+            str(row.get("target_id", "")),
+            str(row.get("model", "")),
+            str(rails) if rails is not None else "unknown",
+            str(row.get("rails_source") or "-"),
+            str(row.get("state", "")),
+            str(row.get("declared") if row.get("declared") is not None else "-"),
+            live_text,
+        )
+    out.print(table)
 
 
 def _alert_banner(alerts: list[dict[str, Any]]) -> None:
@@ -482,8 +513,10 @@ def _consented(stops: bool, yes: bool, as_json: bool, question: str) -> bool:
 class _Progress:
     """``EnforcementStep`` signals of one run, printed as they arrive (the live display).
 
-    The first run id seen after the call went out is ours: one run goes at a time
-    machine-wide, and a call that cannot start is refused ``Busy`` before any step.
+    Ours is the first run that *starts* (its ``revalidate`` step) once subscribed:
+    one run goes at a time machine-wide, and a call that cannot start is refused
+    ``Busy`` before any step. Steps of a run already under way are ignored; if the
+    result names another run id anyway, :func:`_follow` prints the result's steps.
     """
 
     def __init__(self, console: Console) -> None:
@@ -502,6 +535,8 @@ class _Progress:
             return
         run_id, step, ok, detail = message.body
         if self.run_id is None:
+            if step != "revalidate":
+                return
             self.run_id = run_id
         if run_id != self.run_id:
             return
@@ -534,25 +569,26 @@ async def _follow(
     status = console.status(f"{what}…") if console.is_terminal else contextlib.nullcontext()
     try:
         with status:
-            return await call()
+            result = await call()
     finally:
         client.bus.remove_message_handler(progress.on_message)
+    if isinstance(result, dict) and result.get("runId") != progress.run_id:
+        _steps(result, console)  # not seen live (signals lost or another run's came first)
+    return result
 
 
-def _steps(result: dict[str, Any]) -> None:
+def _steps(result: dict[str, Any], console: Console) -> None:
     for step in result.get("steps", []):
         mark = "ok" if step.get("ok") else "FAILED"
         detail = f": {step['detail']}" if step.get("detail") else ""
-        out.print(f"  {step['name']}: {mark}{detail}", markup=False)
+        console.print(f"  {step['name']}: {mark}{detail}", markup=False)
 
 
-def _finish_result(result: dict[str, Any], as_json: bool, what: str, followed: bool) -> None:
-    """Print the outcome (the steps too when they were not followed live); exit 1 unless ok."""
+def _finish_result(result: dict[str, Any], as_json: bool, what: str) -> None:
+    """Print the outcome (its steps were shown live by :func:`_follow`); exit 1 unless ok."""
     if as_json:
         _print_json(result)
     else:
-        if not followed:
-            _steps(result)
         if result.get("ok"):
             out.print(f"{what}: done", markup=False)
         else:
@@ -626,7 +662,7 @@ def apply(
     result = _call(work)
     if result is None:
         _not_consented(f"not applied ({what})")
-    _finish_result(result, as_json, what, followed=True)
+    _finish_result(result, as_json, what)
 
 
 @app.command()
@@ -675,7 +711,7 @@ def load(
     result = _call(work)
     if result is None:
         _not_consented(f"not loaded ({what})")
-    _finish_result(result, as_json, what, followed=True)
+    _finish_result(result, as_json, what)
 
 
 @app.command()
@@ -706,7 +742,7 @@ def unload(
     result = _call(work)
     if result is None:
         _not_consented(f"not unloaded ({what})")
-    _finish_result(result, as_json, what, followed=True)
+    _finish_result(result, as_json, what)
 
 
 @app.command()
@@ -764,11 +800,14 @@ def measure(
 def _validate_locally() -> dict[str, Any]:
     from uapplace.capacity import has_errors, load_policy
     from uapplace.capacity import validate as validate_files
-    from uapplace.registry import ConfigFileError, load_registry, provenance_rows
+    from uapplace.devices import make_probe
+    from uapplace.registry import ConfigFileError, gate_on_devices, load_registry, provenance_rows
 
     paths = Paths.from_env()
     try:
         loaded = load_registry(paths.repo_registry, paths.local_registry)
+        # As the daemon does: a measurement taken on another card than the probe sees is unknown.
+        loaded = gate_on_devices(loaded, make_probe(paths, loaded.registry).read())
     except ConfigFileError as error:
         findings = [
             {
@@ -813,11 +852,15 @@ def _validate_locally() -> dict[str, Any]:
     }
 
 
-def _grouped_provenance(rows: list[dict[str, str]]) -> list[tuple[tuple[str, str, str], list[str]]]:
-    """One line per entry and file: ``$.devices.gpu0 local reserved_mib, uuid``."""
-    grouped: dict[tuple[str, str, str], list[str]] = {}
+def _grouped_provenance(
+    rows: list[dict[str, str]],
+) -> list[tuple[tuple[str, str, str, str], list[str]]]:
+    """One line per entry and file: ``$.devices.gpu0 local reserved_mib, uuid``; a config
+    line also says whether its figures count on this machine."""
+    grouped: dict[tuple[str, str, str, str], list[str]] = {}
     for row in rows:
-        grouped.setdefault((row["entry"], row["source"], row["file"]), []).append(row["field"])
+        key = (row["entry"], row["source"], row["file"], row.get("measurement", ""))
+        grouped.setdefault(key, []).append(row["field"])
     return list(grouped.items())
 
 
@@ -845,10 +888,12 @@ def validate(as_json: JsonFlag = False) -> None:
                 markup=False,
             )
         table = Table(title="Provenance", title_justify="left")
-        for column in ("entry", "source", "fields", "file"):
+        for column in ("entry", "source", "fields", "file", "figures"):
             table.add_column(column)
-        for (entry, source, file), fields in _grouped_provenance(report.get("provenance", [])):
-            table.add_row(entry, source, ", ".join(fields), file)
+        for (entry, source, file, counts), fields in _grouped_provenance(
+            report.get("provenance", [])
+        ):
+            table.add_row(entry, source, ", ".join(fields), file, counts)
         out.print(table)
         out.print(f"{report['errors']} error(s), {report['warnings']} warning(s)", markup=False)
     if not report["ok"]:
@@ -978,7 +1023,8 @@ def hold(
 def release(
     cookie: Annotated[int, typer.Argument(min=1, help="Cookie printed by `hold`.")],
 ) -> None:
-    """End a hold by its cookie (normally the holding command does this on exit)."""
+    """End a hold by its cookie. The holding command does this itself on exit; ending another
+    connection's hold needs polkit's yes for org.uap.placement.release-others (exit 4 otherwise)."""
     _call(lambda c: c.release(cookie))
     out.print(f"released hold {cookie}")
 
@@ -990,6 +1036,7 @@ _WATCHED = {
     "Resolved": ("placement_id", "outcome"),
     "ResidentChanged": ("model", "config", "device", "state"),
     "EnforcementStep": ("run_id", "step", "ok", "detail"),
+    "AlertRaised": ("alert_id", "kind", "severity", "subject", "message"),
 }
 
 
@@ -1002,7 +1049,14 @@ def _signal_line(member: str, body: list[Any], as_json: bool) -> str:
 
 @app.command()
 def watch(as_json: JsonFlag = False) -> None:
-    """Follow Parked, Resolved, ResidentChanged and EnforcementStep until Ctrl-C."""
+    """Follow Parked, Resolved, ResidentChanged, EnforcementStep and AlertRaised until Ctrl-C.
+
+    ``--json``: one JSON object per line, the same objects as the data of the shim's
+    ``GET /api/placement/events`` (``{id, event, at, data}``; ids count from 1 per watch).
+    """
+    from uapplace.events import EventLog, json_line
+
+    numbered = EventLog()
 
     async def work(client: PlacementClient) -> None:
         bus = client.bus
@@ -1013,7 +1067,11 @@ def watch(as_json: JsonFlag = False) -> None:
                 and message.interface == INTERFACE
                 and message.member in _WATCHED
             ):
-                sys.stdout.write(_signal_line(message.member, message.body, as_json) + "\n")
+                if as_json:
+                    line = json_line(numbered.publish_signal(message.member, message.body))
+                else:
+                    line = _signal_line(message.member, message.body, as_json)
+                sys.stdout.write(line + "\n")
                 sys.stdout.flush()
 
         bus.add_message_handler(on_message)
@@ -1087,10 +1145,36 @@ def demo(
     keep: Annotated[
         bool, typer.Option("--keep", help="Leave the demo running until Ctrl-C.")
     ] = False,
+    single_upstream: Annotated[
+        bool,
+        typer.Option(
+            "--single-upstream",
+            help="Both engines on one port, one at a time, as behind the stock UAP proxy.",
+        ),
+    ] = False,
+    proxy_url: Annotated[
+        str | None,
+        typer.Option(
+            "--proxy-url", help="An outside proxy's base URL (its /internal/placement routes)."
+        ),
+    ] = None,
+    proxy_token: Annotated[
+        str | None,
+        typer.Option("--proxy-token", help="That proxy's PROXY_AUTH_TOKEN (printed either way)."),
+    ] = None,
 ) -> None:
     """Run the embedded demo (contained systemd, simulated GPU, fake engines)."""
+    if proxy_url is not None and not proxy_url.startswith(("http://", "https://")):
+        raise typer.BadParameter(
+            f"{proxy_url!r} is not an http:// or https:// URL", param_hint="--proxy-url"
+        )
+    if proxy_token is not None and proxy_url is None:
+        raise typer.BadParameter("needs --proxy-url", param_hint="--proxy-token")
     module = importlib.import_module("uapplace.demo")  # slow to import: only for this command
-    raise typer.Exit(int(module.run(keep)))
+    code = module.run(
+        keep, single_upstream=single_upstream, proxy_url=proxy_url, proxy_token=proxy_token
+    )
+    raise typer.Exit(int(code))
 
 
 def main() -> None:

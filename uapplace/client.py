@@ -109,10 +109,17 @@ class PlacementClient:
         (text,) = await self.call(member, signature, body)
         return json.loads(text)
 
-    async def admit(self, model: str, client: str, session: str, cells: int) -> dict[str, str]:
-        decision, target_id, placement_id, reason = await self.call(
-            "Admit", "sssu", [model, client, session, cells]
-        )
+    async def admit(
+        self, model: str, client: str, session: str, cells: int, deadline_us: int | None = None
+    ) -> dict[str, str]:
+        """``Admit``; with ``deadline_us`` (CLOCK_MONOTONIC µs) ``AdmitBy``, so an answer
+        the caller can no longer receive leaves no pending entry."""
+        if deadline_us is None:
+            method, signature, body = "Admit", "sssu", [model, client, session, cells]
+        else:
+            method, signature = "AdmitBy", "sssut"
+            body = [model, client, session, cells, deadline_us]
+        decision, target_id, placement_id, reason = await self.call(method, signature, body)
         if decision == "forward":
             return {"decision": "forward", "target_id": target_id}
         return {"decision": decision, "placement_id": placement_id, "reason": reason}

@@ -11,7 +11,10 @@ Where each unit can be resident (:func:`placements`):
 - a config whose figures count on this machine (``Config.is_measured``) sits on its
   ``measured_on`` device (the planner loads it nowhere else, and the unit sync files a
   unit started by hand there), costing its smallest footprint :func:`floor_cost_mib`
-  (the cost of a request at or under its resident KV pool: no request costs less);
+  (the cost of a request at or under its resident KV pool: no request costs less).
+  Decision: the smallest footprint, not the cost at the default 32,768 cells, because an
+  edge claims "never"; where a small request would fit and a default one would not, the
+  planner offers a displace (with consent) instead of systemd stopping anything;
 - any other config (unmeasured, measured only in the repo file, measured on another
   device or build, or a cost unknown at every context size) may sit on any device the
   model may use (its affinity devices, else every GPU) and counts as that device's

@@ -33,13 +33,19 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from uapplace import __version__
-from uapplace.admission import DEFAULT_TTL_SECONDS, Admission
+from uapplace.admission import (
+    DEFAULT_TTL_SECONDS,
+    TRIM_AFTER_EXPIRED,
+    Admission,
+    return_freed_memory_soon,
+)
 from uapplace.alerts import Alert, AlertBoard, AlertKind, Severity
-from uapplace.capacity import CapacityPolicy, Finding, has_errors, load_policy
+from uapplace.capacity import CapacityPolicy, Finding, has_errors, load_policy, topology_findings
 from uapplace.capacity import validate as validate_capacity
 from uapplace.conflicts import conflict_edges, dropin_groups
+from uapplace.counters import DaemonCounters
 from uapplace.devices import Probe, make_probe
-from uapplace.engines import ProxyClient
+from uapplace.engines import ProxyClient, ProxyTokenRejected
 from uapplace.errors import (
     Busy,
     Failed,
@@ -52,6 +58,7 @@ from uapplace.errors import (
 from uapplace.ledger import Ledger, LedgerDoc, doc_to_json, pending_to_json
 from uapplace.model import (
     DEFAULT_CELLS,
+    Decision,
     DeviceReading,
     Holder,
     Model,
@@ -65,6 +72,7 @@ from uapplace.model import (
 )
 from uapplace.paths import Paths
 from uapplace.planner import PlanInput, plan, plan_unload
+from uapplace.rails import RailsCache
 from uapplace.registry import (
     ConfigFileError,
     RegistryLoad,
@@ -72,7 +80,7 @@ from uapplace.registry import (
     load_registry,
     provenance_rows,
 )
-from uapplace.units import has_conflict_dropins, write_conflict_dropins
+from uapplace.units import UnitError, has_conflict_dropins, write_conflict_dropins
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +91,11 @@ DEFAULT_DEBOUNCE_S = 0.075
 DEFAULT_USAGE_FLUSH_S = 5.0
 DEFAULT_TICK_S = 5.0
 DEFAULT_SHUTDOWN_WAIT_S = 30.0
+PARK_PLANNERS = 4
+"""New parks planned at once (options attached after the admit answered)."""
 WRITE_RETRY_S = 2.0
+DEADLINE_PASSED = "deadline_passed"
+"""The reason of an ``AdmitBy`` answered after its caller's deadline (no entry, no id)."""
 REPLAN_DEBOUNCE_S = 0.1
 """How long resident changes are gathered before the pending entries are re-planned."""
 GONE = "gone"
@@ -259,13 +271,26 @@ class InflightSource(Protocol):
 
 
 class ProxyHolders:
-    """The proxy's ``/internal/placement/inflight`` as :class:`Holder` lists (kind ``inflight``)."""
+    """The proxy's ``/internal/placement/inflight`` as :class:`Holder` lists (kind ``inflight``).
 
-    def __init__(self, proxy: ProxyClient) -> None:
+    A 401 (:class:`ProxyTokenRejected`) is handed to ``on_token_rejected`` (the
+    daemon raises the ``token_mismatch`` alert there) and re-raised: callers that
+    treat the list as unknown still do, and a drain stops on it at once.
+    """
+
+    def __init__(
+        self, proxy: ProxyClient, on_token_rejected: Callable[[str], None] | None = None
+    ) -> None:
         self.proxy = proxy
+        self.on_token_rejected = on_token_rejected
 
     async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
-        targets = await self.proxy.inflight()
+        try:
+            targets = await self.proxy.inflight()
+        except ProxyTokenRejected as err:
+            if self.on_token_rejected is not None:
+                self.on_token_rejected(str(err))
+            raise
         if targets is None:
             return None
         return {
@@ -325,8 +350,8 @@ class UnitDropins:
             return []
         try:
             written = await self.write_units()
-        except Failed as err:
-            log.error("the Conflicts= drop-ins are stale: %s", err)
+        except (Failed, UnitError) as err:
+            log.error("the Conflicts= drop-ins are stale (`uapplace units` rewrites them): %s", err)
             return []
         if written:
             log.info("Conflicts= drop-ins regenerated: %s", ", ".join(written))
@@ -384,6 +409,10 @@ class Controller:
         self.cooldowns: dict[str, float] = {}
         self.holds: dict[int, BusHold] = {}
         self.alerts = AlertBoard(clock)
+        self.counters = DaemonCounters()
+        """Admits, runs, steps, alerts however they arrived (``GetState.counters``)."""
+        self.rails = RailsCache()
+        """Per-target rails of the residents (``GetState.targets``, issue 13)."""
         self.version = __version__
         self.events: ControllerEvents = _NoEvents()
         # Collaborators wired by the daemon; None until then (methods say "not available").
@@ -410,6 +439,10 @@ class Controller:
         self._urgent = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
+        self._to_plan: dict[str, PendingEntry] = {}
+        """New parks waiting for their options, planned by at most ``PARK_PLANNERS`` tasks
+        (a flood of 10,000 admits must not become 10,000 concurrent probe + plan tasks)."""
+        self._planners = 0
         self._accepting = True
         self._replan_wanted = asyncio.Event()
 
@@ -437,7 +470,27 @@ class Controller:
     async def start(self) -> None:
         """Restore from the ledger, then start the writer and the expiry tick."""
         await self.restore_from_ledger()
+        self.report_topology()
         self.start_background()
+
+    def report_topology(self) -> None:
+        """With ``proxy.single_upstream``, log every model the proxy cannot reach after a
+        switch as an error and raise one ``config_error`` alert naming them (at start and
+        after each reload; ``validate`` lists them as errors too)."""
+        findings = topology_findings(self.load)
+        for finding in findings:
+            log.error("%s", finding)
+        if findings:
+            names = "; ".join(f.message for f in findings[:3])
+            more = f" (and {len(findings) - 3} more)" if len(findings) > 3 else ""
+            self.raise_alert(
+                AlertKind.CONFIG_ERROR,
+                Severity.WARNING,
+                f"{self.load.repo_path}: proxy.single_upstream",
+                f"{len(findings)} model(s) unreachable through the single-upstream proxy: "
+                f"{names}{more}",
+                {"findings": [f.to_json() for f in findings[:20]]},
+            )
 
     async def restore_from_ledger(self) -> None:
         """Read the ledger (a corrupt one is moved aside by :class:`Ledger`) and restore."""
@@ -521,12 +574,27 @@ class Controller:
 
     # ------------------------------------------------------------------ the hot path
 
-    def admit(self, model: str, client: str, session: str, cells: int) -> Any:
-        """Forward or park; O(1), never blocks, never awaits the ledger."""
+    def admit(self, model: str, client: str, session: str, cells: int, deadline_us: int = 0) -> Any:
+        """Forward or park; O(1), never blocks, never awaits the ledger.
+
+        ``deadline_us`` (``AdmitBy``; CLOCK_MONOTONIC µs, 0 = none): an admit handled
+        after its caller's deadline changes nothing and answers a park without an id
+        (reason ``deadline_passed``): the caller has gone, and a pending entry whose id
+        no client received would be a ghost (issue 13).
+        """
+        if deadline_us and time.monotonic_ns() // 1000 > deadline_us:
+            self.counters.admit("dropped", DEADLINE_PASSED)
+            log.info(
+                "admit of %r for %r arrived after its caller's deadline: no pending entry",
+                model,
+                client,
+            )
+            return Decision("park", reason=DEADLINE_PASSED)
         now = self._clock()
         decision, entry = self.admission.decide(
             model, client, session or None, cells or DEFAULT_CELLS, now
         )
+        self.counters.admit(decision.decision, decision.reason)
         if decision.decision == "forward":
             self.usage[self._usage_key(model)] = now
             self.mark_dirty(urgent=False)
@@ -544,11 +612,26 @@ class Controller:
 
     def _after_park(self, entry: PendingEntry) -> None:
         for pushed_out in self.admission.take_evicted():  # the pending caps (admission.py)
+            self._to_plan.pop(pushed_out.id, None)
             self.resolve(pushed_out, "expired", already_removed=True)
         self.events.on_parked(entry)
         self.events.on_pending_count(self.pending_count)
         self.mark_dirty()
-        self._spawn(self._plan_parked(entry), f"plan-{entry.id}")
+        self._to_plan[entry.id] = entry
+        if self._planners < PARK_PLANNERS:
+            self._planners += 1
+            self._spawn(self._plan_queued(), "plan-parked")
+
+    async def _plan_queued(self) -> None:
+        """Plan queued parks oldest first. The queue is bounded by the pending caps (an
+        entry pushed out leaves it too); a few planners run at once, so one slow proxy
+        answer (``plan_input`` asks it for in-flight work) does not hold up the rest."""
+        try:
+            while self._to_plan:
+                entry = self._to_plan.pop(next(iter(self._to_plan)))
+                await _logged(self._plan_parked(entry), f"plan-{entry.id}")
+        finally:
+            self._planners -= 1
 
     async def _plan_parked(self, entry: PendingEntry) -> None:
         """Attach options to a new park, persist it, tell the notifier."""
@@ -627,11 +710,16 @@ class Controller:
         out["daemon_version"] = self.version
         out["holds"] = [h.to_json() for h in self.holds.values()]
         out["alerts"] = [a.to_json() for a in self.alerts.active()]
+        out["counters"] = self.counters.to_json()
+        targets = await self.rails.current(self.residents, self.load.registry.models)
+        out["targets"] = [t.to_json() for t in targets]
         out["registry"] = {
             "repo": str(self.load.repo_path),
             "local": str(self.load.local_path) if self.load.local_path else None,
             "local_errors": [str(e) for e in self.load.errors],
             "reload_error": str(self.reload_error) if self.reload_error else None,
+            "device_mismatches": [str(e) for e in self.load.device_mismatches],
+            "capacity_policy": self.policy_state,
         }
         out["ledger"] = {"path": str(self.ledger.path), "error": self.ledger.last_error}
         return out
@@ -684,6 +772,7 @@ class Controller:
         if self.policy_error is not None:
             findings.extend(self._failed_policy(e) for e in self.policy_error.every())
         findings.extend(validate_capacity(self.load, self.policy))
+        findings.extend(await self.live_findings())
         return {
             "ok": not has_errors(findings),
             "errors": sum(1 for f in findings if f.severity == "error"),
@@ -692,6 +781,29 @@ class Controller:
             "provenance": provenance_rows(self.load),
             "capacity_policy": self.policy_json(),
         }
+
+    async def live_findings(self) -> list[Finding]:
+        """What only the running system can tell ``validate`` (issue 13): the proxy
+        refusing our token (error; unreachable is a warning: it may just be down),
+        and rails the registry declares that a live engine contradicts (warning)."""
+        findings: list[Finding] = []
+        proxy = getattr(self.proxy, "proxy", None)
+        if isinstance(proxy, ProxyClient):
+            problem = await proxy.check()
+            if problem is not None:
+                token = "HTTP 401" in problem
+                findings.append(
+                    Finding("error" if token else "warning", proxy.base_url, "$", problem)
+                )
+                if token:
+                    self.proxy_token_rejected(problem)
+        targets = await self.rails.current(self.residents, self.load.registry.models)
+        for target in targets:
+            warning = target.disagreement()
+            if warning is not None:
+                path = f"$.models.{target.model}.rails"
+                findings.append(Finding("warning", str(self.load.repo_path), path, warning))
+        return findings
 
     def policy_json(self) -> dict[str, Any]:
         """Which capacity policy is in force, for ``validate`` (never silently off)."""
@@ -741,6 +853,7 @@ class Controller:
         self.probe = probe
         self.admission.set_registry(load.registry)
         self._usage_keys.clear()
+        self.report_topology()
         if self.unit_writer is not None:
             await self.unit_writer.refresh()
         return True
@@ -810,17 +923,34 @@ class Controller:
                 f"1..{len(entry.options)}"
             )
         enforcer = self._enforcer("Apply")
+        await self._durable_before_run()
         return await enforcer.apply(entry, option, expected, origin=origin)
 
     async def load_model(self, model: str, expected: Signature) -> dict[str, Any]:
         """Load with the recommended option; ``expected`` is its signature from ``Preview``."""
         self.model_named(model)
-        return await self._enforcer("Load").load(model, expected)
+        enforcer = self._enforcer("Load")
+        await self._durable_before_run()
+        return await enforcer.load(model, expected)
 
     async def unload(self, model: str, expected: Signature) -> dict[str, Any]:
         """Stop ``model``; ``expected`` is the signature ``PreviewUnload`` showed."""
         self.model_named(model)
-        return await self._enforcer("Unload").unload(model, expected)
+        enforcer = self._enforcer("Unload")
+        await self._durable_before_run()
+        return await enforcer.unload(model, expected)
+
+    async def _durable_before_run(self) -> None:
+        """Write the ledger before a run changes anything (DESIGN §5a invariant 6).
+
+        The write-behind coalesces for ``debounce_s``; a park answered just before an
+        ``Apply`` could otherwise be lost with a crash mid-run (found by the chaos
+        harness: a SIGKILL at ``drain`` 0.2 s after the park). One write per run.
+        """
+        try:
+            await self.flush()
+        except Exception as err:  # the run itself does not depend on the ledger write
+            log.warning("could not write the ledger before the run: %s", err)
 
     async def preview_unload(self, model: str) -> dict[str, Any]:
         """What ``Unload(model)`` would stop now: ``{model, victims, signature, frees_mib}``.
@@ -989,11 +1119,13 @@ class Controller:
 
     def emit_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
         """For the enforcer: one ``EnforcementStep`` signal."""
+        self.counters.step(run_id, step, ok)
         self.events.on_enforcement_step(run_id, step, ok, detail)
 
     def _set_residents(self, residents: list[Resident]) -> None:
         self.residents = residents
         self.admission.set_residents(residents)
+        self.rails.invalidate()  # a resident turned hot answers /slots now: probe again
         self.events.on_residents(self.resident_rows())
         self.mark_dirty()
         self.request_replan()
@@ -1020,6 +1152,22 @@ class Controller:
 
     # ------------------------------------------------------------------ alerts
 
+    def proxy_token_rejected(self, message: str) -> None:
+        """The proxy answered 401 on an internal route: a critical ``token_mismatch``
+        alert, raised once while it is open (every preview and drain asks the proxy;
+        one notification is enough, the log has each)."""
+        url = self.paths.proxy_url
+        if any(a.key == (AlertKind.TOKEN_MISMATCH.value, url) for a in self.alerts.active()):
+            log.warning("%s", message)
+            return
+        self.raise_alert(
+            AlertKind.TOKEN_MISMATCH,
+            Severity.CRITICAL,
+            self.paths.proxy_url,
+            message,
+            {"proxy_url": self.paths.proxy_url},
+        )
+
     def raise_alert(
         self,
         kind: AlertKind,
@@ -1030,6 +1178,7 @@ class Controller:
     ) -> Alert:
         """Record an alert (deduped on ``(kind, subject)``), signal it, notify, persist."""
         alert = self.alerts.raise_(kind, severity, subject, message, detail)
+        self.counters.alert(kind.value, severity.value)
         log.log(
             logging.ERROR if severity is Severity.CRITICAL else logging.WARNING,
             "alert %s [%s] %s: %s",
@@ -1129,6 +1278,8 @@ class Controller:
         gone = self.admission.expire(now)
         for entry in gone:
             self.resolve(entry, "expired", already_removed=True)
+        if len(gone) >= TRIM_AFTER_EXPIRED:  # after a flood: let RSS come back down
+            self._spawn(return_freed_memory_soon(), "return-freed-memory")
         lapsed = [m for m, until in self.cooldowns.items() if until <= now]
         for model in lapsed:
             del self.cooldowns[model]

@@ -230,7 +230,7 @@ class Daemon:
         controller = self.controller
         controller.authorizer = Authorizer(bus, self.paths.system_bus_address)
         proxy = ProxyClient(self.paths.proxy_url, self.paths.proxy_token())
-        controller.proxy = ProxyHolders(proxy)
+        controller.proxy = ProxyHolders(proxy, controller.proxy_token_rejected)
 
         def registry() -> Registry:
             return controller.load.registry
@@ -256,6 +256,9 @@ class Daemon:
             return
         self.stack = stack
         controller.unit_writer = UnitDropins(controller, stack.units.reload)
+        # The registry may have changed while no daemon ran: a stale Conflicts= graph would
+        # let systemd stop a model the planner keeps (rewritten only where drop-ins exist).
+        await controller.unit_writer.refresh()
 
         async def replan(entry: PendingEntry) -> Plan:
             inp, _clients = await controller.plan_input()

@@ -44,12 +44,11 @@ from typing import Any
 
 import aiohttp
 from dbus_fast import Message, MessageType
-from dbus_fast.aio import MessageBus
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from uapplace import engines
+from uapplace import busio, engines
 from uapplace.client import PlacementClient, PlacementError, bus_daemon_message, user_bus_address
 from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 from uapplace.registry import local_measurements
@@ -95,6 +94,17 @@ class SandboxSpec:
     """Started before the daemon, so it is resident from the start."""
     shim: bool = True
     daemon: bool = True
+    single_upstream: bool = False
+    """Both engines on one port, one at a time, and the registry's ``proxy.single_upstream``
+    naming it: the stock UAP proxy's topology (issue 13, :mod:`uapplace.topology`)."""
+    proxy_url: str | None = None
+    """An outside proxy (its ``/internal/placement/*`` routes) instead of the built-in fake."""
+    proxy_token: str | None = None
+    """The token for ``proxy_url`` (``PROXY_AUTH_TOKEN``); the demo's own when ``None``."""
+
+    @property
+    def token(self) -> str:
+        return self.proxy_token if self.proxy_token is not None else PROXY_TOKEN
 
 
 # --------------------------------------------------------------------------- processes
@@ -173,7 +183,14 @@ class Sandbox:
 
     @property
     def proxy_url(self) -> str:
+        if self.spec.proxy_url is not None:
+            return self.spec.proxy_url.rstrip("/")
         return f"http://127.0.0.1:{self.ports['proxy']}"
+
+    @property
+    def single_upstream(self) -> str | None:
+        """The one address every engine listens on, with ``--single-upstream``."""
+        return self.endpoint(self.spec.models[0]) if self.spec.single_upstream else None
 
     @property
     def shim_url(self) -> str:
@@ -215,7 +232,8 @@ class Sandbox:
             manager = None
             bus = user_bus_address()
             unit_dir = _runtime_unit_dir()
-        ports = {m.key: free_port() for m in spec.models}
+        shared = free_port()  # every engine's, with --single-upstream
+        ports = {m.key: shared if spec.single_upstream else free_port() for m in spec.models}
         ports["proxy"] = free_port()
         ports["shim"] = free_port()
         sim = SimGpu(base / "sim-gpu.json")
@@ -244,7 +262,7 @@ class Sandbox:
             "UAPPLACE_CONFIG_DIR": str(self.config_dir),
             "UAPPLACE_SIM_GPU": str(self.sim.path),
             "UAP_PROXY_URL": self.proxy_url,
-            "PROXY_AUTH_TOKEN": PROXY_TOKEN,
+            "PROXY_AUTH_TOKEN": self.spec.token,
             "UAPPLACE_SHIM_PORT": str(self.ports["shim"]),
             # No polkit in a sandbox: the daemon's own uid may act (DESIGN.md §5).
             "UAPPLACE_SYSTEM_BUS_ADDRESS": "",
@@ -258,7 +276,7 @@ class Sandbox:
 
     async def _check_bus_free(self) -> None:
         try:
-            bus = await MessageBus(bus_address=self.bus_address).connect()
+            bus = await busio.Bus(bus_address=self.bus_address).connect()
         except Exception as err:
             raise DemoError(f"cannot reach the user bus at {self.bus_address}: {err}") from err
         try:
@@ -368,6 +386,9 @@ class Sandbox:
         return proc, log
 
     async def _start_proxy(self, stack: AsyncExitStack, progress: Callable[[str], None]) -> None:
+        if self.spec.proxy_url is not None:
+            progress(f"using the proxy at {self.proxy_url}")
+            return
         progress("starting a fake of the proxy's internal routes")
         argv = [sys.executable, "-m", "uapplace.sim.proxy", "--port", str(self.ports["proxy"])]
         proc, log = self._spawn(stack, "proxy", argv)
@@ -429,8 +450,10 @@ async def _http_ok(url: str) -> bool:
 def registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[str, Any]:
     """The demo's registry: one simulated GPU, the host, and each model measured on gpu0."""
     host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
+    proxy = {"single_upstream": box.single_upstream} if box.single_upstream else None
     return {
         "version": 1,
+        **({"proxy": proxy} if proxy else {}),
         "devices": {
             "gpu0": {
                 "kind": "gpu",
@@ -727,6 +750,7 @@ def export_lines(box: Sandbox) -> list[str]:
         "UAPPLACE_CONFIG_DIR",
         "UAPPLACE_SIM_GPU",
         "UAP_PROXY_URL",
+        "PROXY_AUTH_TOKEN",
         "UAPPLACE_SHIM_PORT",
     )
     return [f"export {k}={shlex.quote(box.env[k])}" for k in keys if k in box.env]
@@ -744,23 +768,41 @@ def keep_lines(box: Sandbox) -> list[str]:
     ]
     if box.spec.shim:
         lines.append(f"curl -s {box.shim_url}/api/placement/state")
+        lines.append(f"curl -sN {box.shim_url}/api/placement/events")
+        lines.append(
+            f"# a proxy in front: controller {box.shim_url}, "
+            f"PROXY_AUTH_TOKEN={shlex.quote(box.spec.token)}"
+            + (f", one upstream {box.single_upstream}" if box.single_upstream else "")
+        )
     return lines
 
 
 # --------------------------------------------------------------------------- entry point
 
 
-def run(keep: bool) -> int:
-    """``uapplace demo [--keep]``: 0 when the walkthrough succeeded."""
+def run(
+    keep: bool,
+    *,
+    single_upstream: bool = False,
+    proxy_url: str | None = None,
+    proxy_token: str | None = None,
+) -> int:
+    """``uapplace demo [--keep] [--single-upstream] [--proxy-url U --proxy-token T]``:
+    0 when the walkthrough succeeded."""
     console = Console()
+    spec = SandboxSpec(
+        single_upstream=single_upstream, proxy_url=proxy_url, proxy_token=proxy_token
+    )
     try:
-        return asyncio.run(_main(console, keep))
+        return asyncio.run(_main(console, keep, spec=spec))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; cleaned up")
         return EXIT_INTERRUPTED
 
 
-async def _main(console: Console, keep: bool, **sandbox_options: Any) -> int:
+async def _main(
+    console: Console, keep: bool, spec: SandboxSpec | None = None, **sandbox_options: Any
+) -> int:
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     assert main_task is not None
@@ -784,7 +826,7 @@ async def _main(console: Console, keep: bool, **sandbox_options: Any) -> int:
             with console.status("building the sandbox") as status:
                 box = await Sandbox.create(
                     stack,
-                    SandboxSpec(),
+                    spec or SandboxSpec(),
                     progress=lambda text: status.update(text),
                     **sandbox_options,
                 )
@@ -795,7 +837,14 @@ async def _main(console: Console, keep: bool, **sandbox_options: Any) -> int:
                     + (" and uapplace-shim" if box.spec.shim else "")
                     + ".\nYou will see a request for a model that is not loaded get parked, "
                     "the operator approve one option, and uapplace swap the engines, checking "
-                    "each step." + f"\nsandbox: {box.base}",
+                    "each step."
+                    + f"\nsandbox: {box.base}"
+                    + f"\nproxy: {box.proxy_url} (token {box.spec.token})"
+                    + (
+                        f"\none upstream for every engine: {box.single_upstream}"
+                        if box.single_upstream
+                        else ""
+                    ),
                     expand=False,
                 )
             )

@@ -97,6 +97,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from uapplace import verify
 from uapplace.alerts import AlertKind, Severity
 from uapplace.capacity import ServicePolicy, refusing_policy
+from uapplace.counters import DaemonCounters, run_outcome
+from uapplace.engines import ProxyTokenRejected
 from uapplace.errors import Busy, Drifted, Failed, InvalidArgument, NotFound, UnknownModel
 from uapplace.journal import Journal, JournalError, RunRecord
 from uapplace.jsonfile import ConfigFileError
@@ -122,6 +124,7 @@ from uapplace.model import (
 from uapplace.planner import PlanInput, plan
 from uapplace.recovery import ControllerRecoveryHost, recover
 from uapplace.registry import read_json, unit_file_name, valid_unit_name
+from uapplace.topology import verify_endpoint
 from uapplace.units import JobOutcome, UnitError, UnitManager, UnitState
 from uapplace.unitsync import EnforcementMarks, ResidentKey, UnitSync, resident_key
 
@@ -145,6 +148,8 @@ ROLLBACK_STOP = "rollback-stop"
 ROLLBACK_START = "rollback-start"
 ROLLBACK_VERIFY = "rollback-verify"
 ROLLBACK_CLEAR = "rollback-clear"
+UNEXPECTED = "unexpected-error"
+"""The step recorded when something raised mid-run outside any step's own checks."""
 
 ROLLED_BACK = "rolled back"
 ROLLBACK_INCOMPLETE = "ROLLBACK INCOMPLETE"
@@ -386,6 +391,8 @@ class ControllerHost:
             return None
         try:
             return await proxy.inflight()
+        except ProxyTokenRejected:
+            raise  # not "unknown": the drain stops on it (_drain)
         except Exception as err:  # unknown counts as busy; never guess idle
             log.warning("proxy in-flight list unavailable: %s", err)
             return None
@@ -759,15 +766,25 @@ class Enforcer:
         async with self._lock:
             run = _Run(run_id=f"run-{secrets.token_hex(4)}", what=what, host=self.host)
             self._running = f"{run.run_id} ({what})"
+            outcome = "refused"  # revalidation said no (or raised): nothing ran
             try:
                 target = await revalidate(run)
                 result = await self._sequence(run, target, placement_id)
+                outcome = run_outcome(result.ok, result.rolled_back)
                 await self._journal_clear(run)
                 self._alert_unattended(run, target, result, _unattended(target, wait, origin))
                 return result
             finally:
                 self._release_marks(run)
                 self._running = None
+                self._count_run(run, what.split(" ", 1)[0], outcome)
+
+    def _count_run(self, run: _Run, verb: str, outcome: str) -> None:
+        """The daemon's run counters (issue 13: ``/metrics`` counts every run, whoever
+        started it). Only hosts that keep counters have ``counters``."""
+        counters = getattr(getattr(self.host, "controller", None), "counters", None)
+        if isinstance(counters, DaemonCounters):
+            counters.run_finished(run.run_id, verb, outcome)
 
     async def _sequence(
         self, run: _Run, target: _Target, placement_id: str | None
@@ -801,6 +818,10 @@ class Enforcer:
                 await self._verify_up(run, target)
         except _StepFailed as failure:
             return await self._failed(run, target, placement_id, failure)
+        except Exception as err:  # a bug or a dead probe mid-run must still roll back
+            log.exception("%s: unexpected error mid-run; rolling back", run.run_id)
+            unexpected = run.fail(UNEXPECTED, f"{type(err).__name__}: {err}")
+            return await self._failed(run, target, placement_id, unexpected)
         await self._refresh_proxy(run)
         self._resolve(run, target)
         return EnforcementResult(
@@ -1036,19 +1057,10 @@ class Enforcer:
         return None
 
     async def _preflight_facts(self, target: _Target, unit: str, config: Config) -> PreflightFacts:
-        state: UnitState | None = None
-        unit_error = ""
-        try:
-            state = await self.units.state(unit)
-        except UnitError as err:
-            unit_error = str(err)
-        else:
-            self._unit_states[unit] = state
-        binaries: dict[str, str] = {}
-        if state is not None and state.exec_paths:
-            binaries = await asyncio.to_thread(executable_problems, state.exec_paths)
-        readings = await self.host.read_devices()
-        host = self.host.registry().host()
+        # The unit (user manager's worker thread) and the host (probe thread) at once.
+        (state, unit_error, binaries), (host_reading, host_error) = await asyncio.gather(
+            self._unit_facts(unit), self._host_facts()
+        )
         return PreflightFacts(
             unit=unit,
             state=state,
@@ -1057,10 +1069,31 @@ class Enforcer:
             label=f"{target.model.key}/{config.key}",
             config=config,
             device=target.device,
-            host=host,
-            host_reading=readings.get(host.key) if host is not None else None,
+            host=self.host.registry().host(),
+            host_reading=host_reading,
             victims=target.victims,
+            host_error=host_error,
         )
+
+    async def _unit_facts(self, unit: str) -> tuple[UnitState | None, str, dict[str, str]]:
+        """The unit's state (or why it cannot be read) and its ``ExecStart=`` binaries."""
+        try:
+            state = await self.units.state(unit)
+        except UnitError as err:
+            return None, str(err), {}
+        self._unit_states[unit] = state
+        if not state.exec_paths:
+            return state, "", {}
+        return state, "", await asyncio.to_thread(executable_problems, state.exec_paths)
+
+    async def _host_facts(self) -> tuple[DeviceReading | None, str]:
+        """A fresh host-RAM reading, or why there is none (the gate then fails closed)."""
+        host = self.host.registry().host()
+        try:
+            readings = await self.host.read_devices()
+        except Exception as err:  # a probe that fails is no reading, never a pass
+            return None, f"the probe failed: {type(err).__name__}: {err}"
+        return (readings.get(host.key) if host is not None else None), ""
 
     # ------------------------------------------------------------------ drain
 
@@ -1082,7 +1115,11 @@ class Enforcer:
         started = time.monotonic()
         deadline = started + self.timeouts.drain_s
         while True:
-            busy = await self._busy(target.victims)
+            try:
+                busy = await self._busy(target.victims)
+            except ProxyTokenRejected as err:
+                # Waiting cannot fix a wrong token: fail now, before anything stops.
+                raise run.fail(DRAIN, f"{err}; nothing was stopped") from None
             if not busy:
                 waited = time.monotonic() - started
                 run.record(DRAIN, True, f"no in-flight work or holds (waited {waited:.2f}s)")
@@ -1218,7 +1255,10 @@ class Enforcer:
     async def _verify_up(self, run: _Run, target: _Target) -> None:
         unit = target.new_unit
         assert unit is not None and target.config is not None
-        endpoint = target.model.endpoint_for(target.config)
+        # Behind a single-upstream proxy, the address the proxy will use (issue 13).
+        endpoint = verify_endpoint(
+            target.model.endpoint_for(target.config), self.host.registry().single_upstream
+        )
         label = f"{target.model.key}/{target.config.key}"
         bound = self.timeouts.verify_up_bound(label, target.config, self.timeouts.verify_up_s)
         run.verify_up_bound = bound
@@ -1761,6 +1801,8 @@ class PreflightFacts:
     """The registry's ``cpu`` device (the host-RAM gate), ``None`` when it has none."""
     host_reading: DeviceReading | None
     victims: tuple[Resident, ...]
+    host_error: str = ""
+    """Why there is no host reading at all (the probe raised), else ""."""
 
 
 def preflight_problems(facts: PreflightFacts) -> list[str]:
@@ -1807,11 +1849,21 @@ def _unit_problems(facts: PreflightFacts) -> list[str]:
         ]
     if not state.exec_paths:
         return [f"unit {unit}: no ExecStart= command, so nothing would start"]
-    return [
+    problems = [
         f"unit {unit}: ExecStart binary {path} {problem}"
         for path, problem in facts.binaries.items()
         if problem
     ]
+    if state.active_state not in _DOWN_STATES and unit not in _units_of(facts.victims):
+        # Not a published resident (the planner would have offered reuse), not a victim
+        # that stops first: an engine nobody verified. Starting it is a no-op, and the
+        # rollback would stop what ran before this run: refuse instead.
+        pid = f", MainPID {state.main_pid}" if state.main_pid else ""
+        problems.append(
+            f"unit {unit}: already {_state_text(state)}{pid} but not a verified resident; "
+            "stop it, or let the unit sync verify it, before placing it"
+        )
+    return problems
 
 
 def _measured_problems(facts: PreflightFacts) -> list[str]:
@@ -1858,7 +1910,7 @@ def _host_ram_problems(facts: PreflightFacts) -> list[str]:
         return [f"host RAM gate: the registry has no cpu device, so {facts.label} is unchecked"]
     room = _host_room(facts)
     if room is None:
-        why = facts.host_reading.error if facts.host_reading is not None else None
+        why = facts.host_reading.error if facts.host_reading is not None else facts.host_error
         return [f"host RAM gate: no reading of {facts.host.key} ({why or 'absent'})"]
     if need > room + 1e-6:
         reading = facts.host_reading
@@ -1966,8 +2018,9 @@ async def attach_enforcement(
     Residents then follow the units (:class:`~uapplace.unitsync.UnitSync`, synced
     once now). Before that sync, a run the journal shows cut short by a crash is
     repaired (:func:`uapplace.recovery.recover`). The controller gets its
-    enforcer and measurer only once all of that has started. Raises :class:`~uapplace.units.UnitError` when the user
-    manager is unreachable, :class:`~uapplace.registry.ConfigFileError` for a bad
+    enforcer and measurer only once all of that has started. Raises
+    :class:`~uapplace.units.UnitError` when the user manager is unreachable,
+    :class:`~uapplace.registry.ConfigFileError` for a bad
     ``enforcement-timeouts.json``, and whatever the first sync raised; then
     ``controller`` gets no enforcer or measurer, the unit sync is closed and the
     :class:`~uapplace.units.UnitManager` this call made (not one passed in as

@@ -260,6 +260,25 @@ class _Inflight(BaseModel):
     targets: dict[str, list[dict[str, Any]]]
 
 
+class ProxyTokenRejected(EngineError):
+    """The proxy answered 401 on an internal route: our token is not the proxy's.
+
+    Not "unknown, try again": no amount of waiting fixes a wrong token, so a
+    drain stops at once on it (enforce.py) and an alert names it, where a plain
+    unavailable list would keep the victim draining (parked) for the whole drain
+    timeout.
+    """
+
+
+def token_mismatch_message(url: str, has_token: bool) -> str:
+    """The one text every surface shows for a 401 from the proxy."""
+    sent = "the token from PROXY_AUTH_TOKEN" if has_token else "no token (none is configured)"
+    return (
+        f"the proxy at {url} refused {sent} (HTTP 401): uapplaced and the proxy have "
+        "different tokens; set the same PROXY_AUTH_TOKEN for both and restart uapplaced"
+    )
+
+
 class ProxyClient:
     """The proxy's internal placement routes (CONTRACT.md §3)."""
 
@@ -283,11 +302,15 @@ class ProxyClient:
 
     async def inflight(self) -> dict[str, list[dict[str, Any]]] | None:
         """``{target_id: [request…]}``; ``None`` = unknown (non-200, error, bad body),
-        which callers must treat as busy. A target absent from a good answer is idle."""
+        which callers must treat as busy. A target absent from a good answer is idle.
+        A 401 raises :class:`ProxyTokenRejected` (a wrong token is not "unknown")."""
         try:
             status, text = await self._request("GET", INFLIGHT_PATH)
         except (aiohttp.ClientError, TimeoutError):
             return None
+        if status == 401:
+            url = f"{self.base_url}{INFLIGHT_PATH}"
+            raise ProxyTokenRejected(token_mismatch_message(url, bool(self.token)))
         if status != 200:
             return None
         try:
@@ -302,6 +325,8 @@ class ProxyClient:
             status, text = await self._request("POST", REFRESH_PATH)
         except (aiohttp.ClientError, TimeoutError) as err:
             return False, f"POST {url}: {_describe(err)}"
+        if status == 401:
+            return False, token_mismatch_message(url, bool(self.token))
         if status != 200:
             return False, f"POST {url}: HTTP {status}: {text[:200]}"
         try:
@@ -314,3 +339,18 @@ class ProxyClient:
         if isinstance(cleared, list) and cleared:
             return True, "cleared " + ", ".join(str(item) for item in cleared)
         return True, "refreshed"
+
+    async def check(self) -> str | None:
+        """For ``validate``: the problem with reaching the in-flight route, or ``None``.
+
+        A 401 is the token mismatch message; an unreachable proxy or a bad answer is
+        named as such (the proxy may simply be down, which ``validate`` reports
+        as a finding like any other)."""
+        url = f"{self.base_url}{INFLIGHT_PATH}"
+        try:
+            targets = await self.inflight()
+        except ProxyTokenRejected as err:
+            return str(err)
+        if targets is None:
+            return f"GET {url}: no usable answer (proxy down, or not speaking CONTRACT §3)"
+        return None

@@ -13,6 +13,12 @@ dialect. This module is that gate, so such a proxy needs no copy of the rules:
   fail-open direction as the proxy's wire-model reconcile). A 5 s burst map on
   ``(client, model)`` (and ``("__auto__", model)`` for ``auto_loading``)
   re-parks a burst without asking again.
+- :class:`TargetSemaphores` is spec §4.3's per-target semaphore map ("Concurrency
+  must become per-target"): one budget per ``target_id``, sized from the rails
+  the controller reports (``GET /api/placement/targets``, read with
+  :meth:`GateClient.target_rails`), so a two-slot llama.cpp takes two requests at
+  once and a one-rail server one, and the wire-model decision and the
+  concurrency gate read the same target.
 - :func:`anthropic_409`, :func:`openai_409`, :func:`ollama_409` build the exact
   bodies; :func:`park_409` picks one by request path (:func:`dialect_for_path`).
   Every park answer carries ``Retry-After: 2`` (spec §4.3: "parked requests
@@ -33,8 +39,10 @@ import asyncio
 import re
 import secrets
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
@@ -194,6 +202,20 @@ class GateClient:
             return None
         return parse_answer(status, payload)
 
+    async def target_rails(self) -> dict[str, int | None] | None:
+        """``target_id → rails`` from ``GET /api/placement/targets``; ``None`` when the
+        controller did not answer usably (keep the sizes you have)."""
+        url = self.admit_url.removesuffix("/admit") + "/targets"
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self._http().get(url) as response:
+                    if response.status != 200:
+                        return None
+                    payload = await response.json(content_type=None)
+        except Exception:  # same contract as admit: any failure is "no answer"
+            return None
+        return rails_map(payload)
+
     def forget_parks(self) -> int:
         """Drop the burst map (after a swap, a retry must ask again); how many were dropped."""
         dropped = len(self._bursts)
@@ -241,6 +263,133 @@ class GateClient:
         if decision.reason == "auto_loading":
             # Rotating the client id must not re-ask the controller during an auto load.
             self._bursts[(AUTO_BURST_CLIENT, model_id)] = park
+
+
+# --------------------------------------------------------------------------- per-target rails
+
+
+def rails_map(payload: object) -> dict[str, int | None] | None:
+    """``{"targets": [{"target_id": …, "rails": n | null}, …]}`` as ``{target_id: rails}``;
+    ``None`` for a body of another shape. A row whose rails are not a positive integer
+    reads as ``None`` (unknown), never as a number."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("targets"), list):
+        return None
+    result: dict[str, int | None] = {}
+    for row in payload["targets"]:
+        if not isinstance(row, dict) or not isinstance(row.get("target_id"), str):
+            continue
+        rails = row.get("rails")
+        valid = isinstance(rails, int) and not isinstance(rails, bool) and rails >= 1
+        result[row["target_id"]] = rails if valid else None
+    return result
+
+
+@dataclass
+class _Budget:
+    """One target's semaphore; unlike ``asyncio.Semaphore`` its limit can change."""
+
+    limit: int | None
+    """``None``: no limit."""
+    active: int = 0
+    waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
+
+    def has_room(self) -> bool:
+        return self.limit is None or self.active < self.limit
+
+    async def acquire(self) -> None:
+        if self.has_room() and not self.waiters:
+            self.active += 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # granted, then cancelled before it could run
+            elif waiter in self.waiters:
+                self.waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        self.active -= 1
+        self.wake()
+
+    def wake(self) -> None:
+        """Hand free rails to the waiters, first come first served."""
+        while self.waiters and self.has_room():
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                self.active += 1
+                waiter.set_result(None)
+
+
+class TargetSemaphores:
+    """Spec §4.3's per-target semaphore map, keyed by ``target_id`` and sized from rails.
+
+    ``rails`` maps a target to its rails (``None``: unknown). A target with
+    unknown rails, or one never named, gets ``unknown`` rails: 1 by default, the
+    safe direction (spec §9 item 3: a failed probe must not hand a one-rail
+    server two requests); ``unknown=None`` leaves such targets unlimited.
+    :meth:`resize` changes limits in place: requests already inside keep their
+    rail, a raised limit lets waiters in at once, a lowered one admits nobody
+    new until enough have left.
+    """
+
+    def __init__(
+        self, rails: Mapping[str, int | None] | None = None, *, unknown: int | None = 1
+    ) -> None:
+        if unknown is not None and unknown < 1:
+            raise ValueError(f"unknown: {unknown} rails; give a positive number or None")
+        self.unknown = unknown
+        self._rails: dict[str, int | None] = {}
+        self._budgets: dict[str, _Budget] = {}
+        self.resize(rails or {})
+
+    def limit(self, target_id: str) -> int | None:
+        """The rails ``target_id`` is run with now (``None``: unlimited)."""
+        rails = self._rails.get(target_id)
+        return rails if rails is not None else self.unknown
+
+    def resize(self, rails: Mapping[str, int | None]) -> None:
+        """Take a new rails map (the controller's answer); targets it drops fall back
+        to ``unknown``."""
+        self._rails = {target: n if n is None or n >= 1 else None for target, n in rails.items()}
+        for target, budget in self._budgets.items():
+            budget.limit = self.limit(target)
+            budget.wake()
+
+    def _budget(self, target_id: str) -> _Budget:
+        budget = self._budgets.get(target_id)
+        if budget is None:
+            budget = self._budgets[target_id] = _Budget(self.limit(target_id))
+        return budget
+
+    @asynccontextmanager
+    async def slot(self, target_id: str) -> AsyncIterator[None]:
+        """Hold one of ``target_id``'s rails for the body; waits while they are all taken."""
+        budget = self._budget(target_id)
+        await budget.acquire()
+        try:
+            yield
+        finally:
+            budget.release()
+
+    def active(self, target_id: str) -> int:
+        budget = self._budgets.get(target_id)
+        return budget.active if budget is not None else 0
+
+    def waiting(self, target_id: str) -> int:
+        budget = self._budgets.get(target_id)
+        return sum(not w.done() for w in budget.waiters) if budget is not None else 0
+
+    def snapshot(self) -> dict[str, dict[str, int | None]]:
+        """``{target: {rails, active, waiting}}`` for every target seen or sized."""
+        targets = sorted(set(self._rails) | set(self._budgets))
+        return {
+            t: {"rails": self.limit(t), "active": self.active(t), "waiting": self.waiting(t)}
+            for t in targets
+        }
 
 
 # --------------------------------------------------------------------------- 409 bodies

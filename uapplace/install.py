@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dbus_fast import MessageType
-from dbus_fast.aio import MessageBus
 
+from uapplace import busio
 from uapplace.client import bus_daemon_message, user_bus_address
 from uapplace.paths import BUS_NAME, Paths
 from uapplace.units import UnitManager
@@ -199,7 +199,7 @@ async def _reload(report: InstallReport) -> None:
 async def _reload_bus(report: InstallReport) -> None:
     try:
         async with asyncio.timeout(RELOAD_TIMEOUT_S):
-            bus = await MessageBus(bus_address=user_bus_address()).connect()
+            bus = await busio.Bus(bus_address=user_bus_address()).connect()
             try:
                 reply = await bus.call(bus_daemon_message("ReloadConfig"))
             finally:

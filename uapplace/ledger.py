@@ -592,8 +592,9 @@ def _valid_items(name: str, raw: Any, dropped: list[str]) -> list[tuple[Any, Any
     if raw is None:
         return []
     if not isinstance(raw, dict if keyed else list):
-        expected = "an object" if keyed else "a list"
-        dropped.append(f"{name}: expected {expected}, got {type(raw).__name__}; ignored whole")
+        problem = jsonfile.first_problem(raw)  # a duplicate key leaves a marker, say that
+        expected = f"expected {'an object' if keyed else 'a list'}, got {type(raw).__name__}"
+        dropped.append(f"{name}: {problem[1] if problem else expected}; ignored whole")
         return []
     pairs = list(raw.items()) if isinstance(raw, dict) else list(enumerate(raw))
     out: list[tuple[Any, Any]] = []

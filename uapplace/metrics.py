@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from uapplace.counters import render_counters, render_targets
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 BUS_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -146,6 +148,8 @@ def state_gauges(state: Mapping[str, Any] | None) -> list[str]:
     )
     lines += device_gauges(state.get("devices"))
     lines += alert_gauges(state.get("alerts"))
+    lines += render_counters(state.get("counters"))  # the daemon's, however admits arrived
+    lines += render_targets(state.get("targets"))
     return lines
 
 

@@ -169,6 +169,10 @@ class Model:
 class Registry:
     devices: Mapping[str, Device]
     models: Mapping[str, Model]
+    single_upstream: str | None = None
+    """``proxy.single_upstream``: the proxy sends every request to this one address and
+    routes by nothing else (the stock UAP proxy; :mod:`uapplace.topology`). ``None``:
+    the proxy routes by ``target_id``."""
 
     def resolve(self, model_id: str) -> tuple[Model, Config | None] | None:
         """The model a requested id names: by model key, advertised id or config key.

@@ -26,6 +26,7 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusFastError
 
+from uapplace import busio
 from uapplace.alerts import Alert, Severity
 from uapplace.client import bus_daemon_message
 from uapplace.errors import PlacementFailure
@@ -445,7 +446,7 @@ class Notifier:
         self._bubbles.clear()
         try:
             async with asyncio.timeout(CALL_TIMEOUT_S):
-                bus = await MessageBus(bus_address=self.address).connect()
+                bus = await busio.Bus(bus_address=self.address).connect()
         except (TimeoutError, DBusFastError, OSError, EOFError) as err:
             log.debug("session bus %s: %s", self.address, err)
             return None

@@ -44,6 +44,7 @@ import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
@@ -54,10 +55,19 @@ from uapplace.paths import INTERFACE
 
 log = logging.getLogger(__name__)
 
-AdmitAnswer = Callable[[str, str, str, int], tuple[str, str, str, str]]
-"""``(model, client, session, cells)`` → ``Admit``'s reply body; raises ``DBusError``."""
+
+class AdmitAnswer(Protocol):
+    """``(model, client, session, cells[, deadline_us])`` → the reply body; raises
+    ``DBusError``. ``Admit`` calls it without the deadline, ``AdmitBy`` with it
+    (CLOCK_MONOTONIC µs)."""
+
+    def __call__(
+        self, model: str, client: str, session: str, cells: int, deadline_us: int = ...
+    ) -> tuple[str, str, str, str]: ...
+
 
 ADMIT_SIGNATURE = "sssu"
+ADMIT_BY_SIGNATURE = "sssut"
 BUS_DRIVER = "org.freedesktop.DBus"
 ACCESS_DENIED = "org.freedesktop.DBus.Error.AccessDenied"
 LOCAL_NAME = ":uapplace.peer"
@@ -128,19 +138,18 @@ def admit_only(answer: AdmitAnswer) -> Callable[[Message], Message | None]:
             return None
         if message.interface == BUS_DRIVER and message.member == "Hello":
             return Message.new_method_return(message, "s", [f"{LOCAL_NAME}.{os.getpid()}"])
-        if (
-            message.interface == INTERFACE
-            and message.member == "Admit"
-            and message.signature == ADMIT_SIGNATURE
+        if message.interface == INTERFACE and (
+            (message.member, message.signature)
+            in (("Admit", ADMIT_SIGNATURE), ("AdmitBy", ADMIT_BY_SIGNATURE))
         ):
-            model, client, session, cells = message.body
-            return Message.new_method_return(
-                message, "ssss", list(answer(model, client, session, cells))
-            )
+            # Admit's four arguments, or AdmitBy's five (the deadline last).
+            reply = answer(*message.body)
+            return Message.new_method_return(message, "ssss", list(reply))
         return Message.new_error(
             message,
             ACCESS_DENIED,
-            f"this peer-to-peer socket answers {INTERFACE}.Admit({ADMIT_SIGNATURE}) only; "
+            f"this peer-to-peer socket answers {INTERFACE}.Admit({ADMIT_SIGNATURE}) and "
+            f"AdmitBy({ADMIT_BY_SIGNATURE}) only; "
             f"call {message.interface}.{message.member} on the user bus",
         )
 

@@ -60,6 +60,7 @@ from uapplace.model import (
     Victim,
     cost_mib,
 )
+from uapplace.topology import same_endpoint
 
 _EPSILON_MIB = EPSILON_MIB
 
@@ -481,6 +482,7 @@ class _Search:
         self.cells = cells
         self.task = task
         self.model = model
+        self._edges: dict[str, frozenset[str]] = {}
 
     def place(self, config: Config, device_key: str) -> Option | str | None:
         """An option, a line saying why not, or ``None`` when reuse already covers it."""
@@ -496,6 +498,10 @@ class _Search:
         required, clash = self._unit_clash(config, device_key)
         if clash is not None:
             return f"{device_key}: {clash}"
+        port_owners, clash = self._port_clash(device_key)
+        if clash is not None:
+            return f"{device_key}: {clash}"
+        required += [r for r in port_owners if r not in required]
         gpu_need = budget.gpu_need
         host_need = (config.host_rss_mib or 0.0) - budget.host_room
         if budget.fits_alongside and host_need <= _EPSILON_MIB and not required:
@@ -563,7 +569,9 @@ class _Search:
         unit = self.model.unit_for(config)
         if unit is None:
             return [], None
-        edges = conflicting_units(self.registry, unit)
+        if unit not in self._edges:
+            self._edges[unit] = conflicting_units(self.registry, unit)
+        edges = self._edges[unit]
         required: list[Resident] = []
         for resident in self.inp.residents:
             if resident.unit == unit:
@@ -581,6 +589,28 @@ class _Search:
             required.append(resident)
         return required, None
 
+    def _port_clash(self, device_key: str) -> tuple[list[Resident], str | None]:
+        """Behind a single-upstream proxy (``proxy.single_upstream``) one engine at a time
+        owns the port: every resident on it must go, so a load is never ``load_alongside``
+        while one is resident (:mod:`uapplace.topology`). A resident with no endpoint
+        counts as on the port (nothing says otherwise); one on another address is a
+        registry error ``validate`` names, and not in the way here."""
+        upstream = self.registry.single_upstream
+        if upstream is None:
+            return [], None
+        required: list[Resident] = []
+        for resident in self.inp.residents:
+            if resident.endpoint is not None and not same_endpoint(resident.endpoint, upstream):
+                continue
+            what = f"{resident.signature} owns the single upstream {upstream}"
+            if resident.device != device_key:
+                return [], f"{what} from {resident.device}"
+            why = self._not_a_victim(resident)
+            if why is not None:
+                return [], f"{what}, and it {why}"
+            required.append(resident)
+        return required, None
+
     def _not_a_victim(self, resident: Resident) -> str | None:
         held = holds(resident)
         if held:
@@ -590,6 +620,8 @@ class _Search:
         if resident.gpu_mib is None:
             return "has an unknown footprint"
         config = config_of(self.registry, resident)
+        if config is not None and config.untrusted:
+            return "has no measurement that counts on this machine and is never a victim"
         if config is None or not config.is_measured:
             return "is unmeasured and never a victim"
         return None

@@ -311,16 +311,27 @@ class ModelOverlayDoc(_Doc):
     engine_build: NonEmpty | None = None
 
 
+class ProxyDoc(_Doc):
+    """How the proxy in front reaches the engines (:mod:`uapplace.topology`)."""
+
+    single_upstream: Endpoint | None = None
+    """Every request goes to this one address (the stock UAP proxy's ``LLAMA_CPP_BASE``);
+    absent or null: the proxy routes by ``target_id``."""
+
+
 class RegistryDoc(_Doc):
     version: Literal[1]
     devices: dict[DeviceKey, DeviceDoc] = {}
     models: dict[NonEmpty, ModelDoc] = {}
+    proxy: ProxyDoc | None = None
 
 
 class LocalRegistryDoc(_Doc):
     version: Literal[1] = 1
     devices: dict[DeviceKey, DeviceOverlayDoc] = {}
     models: dict[NonEmpty, ModelOverlayDoc] = {}
+    proxy: ProxyDoc | None = None
+    """Overrides the repo's ``proxy.single_upstream`` when it names the key (null: off)."""
 
 
 DocT = TypeVar("DocT", bound=BaseModel)
@@ -554,7 +565,16 @@ def _build(src: _Sources) -> tuple[Registry, dict[str, dict[str, Provenance]]]:
     for key in _ordered_keys(src.repo.models, local_models):
         models[key], model_provenance[key] = _merge_model(src, key)
     _raise_all(_reference_errors(src, devices, models, model_provenance))
-    return Registry(devices=devices, models=models), model_provenance
+    registry = Registry(devices=devices, models=models, single_upstream=_single_upstream(src))
+    return registry, model_provenance
+
+
+def _single_upstream(src: _Sources) -> str | None:
+    """The local file's ``proxy.single_upstream`` when it names the key, else the repo's."""
+    local = src.local.proxy if src.local is not None else None
+    if local is not None and "single_upstream" in local.model_fields_set:
+        return local.single_upstream
+    return src.repo.proxy.single_upstream if src.repo.proxy is not None else None
 
 
 def load_registry(repo_path: Path, local_path: Path | None) -> RegistryLoad:

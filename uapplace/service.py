@@ -32,7 +32,7 @@ from typing import Annotated, Any, TypeVar
 
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
-from dbus_fast.annotations import DBusBool, DBusSignature, DBusStr, DBusUInt32
+from dbus_fast.annotations import DBusBool, DBusSignature, DBusStr, DBusUInt32, DBusUInt64
 from dbus_fast.constants import PropertyAccess
 from dbus_fast.errors import DBusError
 from dbus_fast.service import ServiceInterface, dbus_method, dbus_property
@@ -65,6 +65,7 @@ _CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("uapplace_caller",
 # signal argument names, property annotations. Kept next to the methods they name.
 _OUT_NAMES: dict[str, tuple[str, ...]] = {
     "Admit": ("decision", "target_id", "placement_id", "reason"),
+    "AdmitBy": ("decision", "target_id", "placement_id", "reason"),
     "GetState": ("state_json",),
     "ListPending": ("pending_json",),
     "Preview": ("preview_json",),
@@ -180,12 +181,24 @@ class PlacementInterface(ServiceInterface):
     ) -> DecisionOut:
         return self.admit_answer(model, client, session, cells)
 
+    @dbus_method()
+    def AdmitBy(
+        self,
+        model: DBusStr,
+        client: DBusStr,
+        session: DBusStr,
+        cells: DBusUInt32,
+        deadline_us: DBusUInt64,
+    ) -> DecisionOut:
+        return self.admit_answer(model, client, session, cells, deadline_us)
+
     def admit_answer(
-        self, model: str, client: str, session: str, cells: int
+        self, model: str, client: str, session: str, cells: int, deadline_us: int = 0
     ) -> tuple[str, str, str, str]:
-        """``Admit``'s reply body; also what the peer socket answers (:mod:`uapplace.peer`)."""
+        """``Admit``'s (and ``AdmitBy``'s) reply body; also what the peer socket answers
+        (:mod:`uapplace.peer`)."""
         try:
-            decision = self._controller.admit(model, client, session, cells)
+            decision = self._controller.admit(model, client, session, cells, deadline_us)
         except Exception as err:
             raise as_dbus_error(err) from None
         return (decision.decision, decision.target_id, decision.placement_id, decision.reason)

@@ -18,7 +18,10 @@ its bus call and who may call it:
   ``Preview``: open;
 - ``POST /api/placement/resolve`` → ``Apply``, ``dismiss`` → ``Dismiss``,
   ``load`` → ``Load``, ``unload`` → ``Unload``, ``auto`` → ``GetAutoPolicy``
-  (``{}``) or ``SetAutoPolicy(changes, consent=yes)``: token;
+  (``{}``) or ``SetAutoPolicy(changes, consent=yes)``: token. ``resolve``,
+  ``load`` and ``unload`` take ``expected_victims`` (the approval signature,
+  sent as the bus ``as expected``); it is required whenever the call would stop
+  something (see :func:`signature_of`);
 - ``GET /metrics`` (Prometheus text; gauges from ``GetState``, see
   :mod:`uapplace.metrics`), ``GET /openapi.json``: open.
 
@@ -64,8 +67,8 @@ Status mapping of the daemon's answers:
   ``Failed`` → 500 (the daemon could not even produce a result), any other
   error name → 502. One ``Failed`` is a 503 instead: "<Method> is not
   available: …" (the daemon is up but has no systemd user manager to enforce
-  with) or "… is not implemented yet" (not wired yet): the daemon did not fail,
-  the machinery is missing, and the 503 carries the daemon's message.
+  with, or has not wired it yet): the daemon did not fail, the machinery is
+  missing, and the 503 carries the daemon's message.
 - The daemon unreachable or slower than the deadline (admit 1.5 s, well inside
   the proxy's 2 s; reads 10 s; enforcements 900 s) → 503
   ``{"error": "placement daemon unavailable: …"}``: the proxy then falls back to
@@ -103,11 +106,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from uapplace.admission import MAX_MODEL_ID_CHARS
 from uapplace.client import PlacementClient, PlacementError, bus_daemon_message, user_bus_address
+from uapplace.events import EventError, EventLog
 from uapplace.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from uapplace.metrics import ShimMetrics
 from uapplace.model import DEFAULT_CELLS
 from uapplace.paths import BUS_NAME, Paths
 from uapplace.peer import connect_peer
+from uapplace.shim_events import EventFeed, stream_events
 from uapplace.shim_openapi import openapi_document
 
 log = logging.getLogger("uapplace.shim")
@@ -130,6 +135,9 @@ JSON_CONTENT_TYPE = "application/json"
 
 ADMIT_DEADLINE_S = 1.5
 READ_DEADLINE_S = 10.0
+ADMIT_REPLY_MARGIN_S = 0.25
+"""Of the admit deadline, what the daemon leaves for its reply to reach us (``AdmitBy``)."""
+DEADLINE_PASSED = "deadline_passed"
 ENFORCEMENT_DEADLINE_S = 900.0
 SCRAPE_DEADLINE_S = 2.0
 PEER_RETRY_S = 5.0
@@ -184,6 +192,8 @@ ROUTES = {
     "load": "/api/placement/load",
     "unload": "/api/placement/unload",
     "auto": "/api/placement/auto",
+    "targets": "/api/placement/targets",
+    "events": "/api/placement/events",
     "metrics": "/metrics",
     "openapi": "/openapi.json",
 }
@@ -711,6 +721,9 @@ class ShimSettings:
 class Shim:
     settings: ShimSettings
     gateway: BusGateway
+    events: EventLog = field(default_factory=EventLog)
+    """The daemon's signals, numbered, for ``GET /api/placement/events`` (fed by
+    :class:`uapplace.shim_events.EventFeed`, started with the app)."""
 
     @property
     def metrics(self) -> ShimMetrics:
@@ -752,12 +765,20 @@ class Shim:
             raise HttpError(403, ADMIT_LOOPBACK_ONLY)
         require_json(request)
         admit = parse_admit(await read_json_object(request))
+        # The daemon gets our deadline less a margin for the reply's way back: an admit it
+        # handles later leaves no pending entry whose id nobody would receive (issue 13).
+        budget_s = max(0.0, self.settings.admit_deadline - ADMIT_REPLY_MARGIN_S)
+        deadline_us = time.monotonic_ns() // 1000 + int(budget_s * 1_000_000)
         answer = await self.bus(
             "Admit",
             self.settings.admit_deadline,
-            lambda c: c.admit(admit.model_id, admit.client, admit.session, admit.cells),
+            lambda c: c.admit(
+                admit.model_id, admit.client, admit.session, admit.cells, deadline_us=deadline_us
+            ),
             via_peer=True,
         )
+        if answer.get("reason") == DEADLINE_PASSED and not answer.get("placement_id"):
+            raise HttpError(503, "placement daemon unavailable: it answered after the deadline")
         decision = answer.get("decision")
         if decision == "forward":
             body = {"decision": "forward", "target_id": answer["target_id"]}
@@ -773,6 +794,23 @@ class Shim:
         return json_response(body)
 
     # ------------------------------------------------------------- reads
+
+    async def event_stream(self, request: web.Request) -> web.StreamResponse:
+        """Server-Sent Events: the bus signals (and alerts), resumable (issue 13)."""
+        try:
+            return await stream_events(request, self.events)
+        except EventError as err:
+            raise HttpError(400, str(err)) from None
+
+    async def targets(self, request: web.Request) -> web.Response:
+        """Per-target rails (``GetState.targets``): what a proxy sizes its slots from."""
+        text = await self.bus("GetState", self.settings.read_deadline, lambda c: c.call("GetState"))
+        try:
+            state = json.loads(text[0])
+        except ValueError:
+            raise HttpError(502, "the daemon's GetState is not JSON") from None
+        targets = state.get("targets") if isinstance(state, dict) else None
+        return json_response({"targets": targets if isinstance(targets, list) else []})
 
     async def state(self, request: web.Request) -> web.Response:
         text = await self.bus("GetState", self.settings.read_deadline, lambda c: c.call("GetState"))
@@ -1066,6 +1104,16 @@ def create_app(settings: ShimSettings) -> web.Application:
     async def close_bus(_: web.Application) -> None:
         await gateway.close()
 
+    feed = EventFeed(settings.bus_address, shim.events)
+
+    async def start_feed(_: web.Application) -> None:
+        feed.start()
+
+    async def stop_feed(_: web.Application) -> None:
+        await feed.close()  # ends every event stream, so shutdown does not wait on them
+
+    app.on_startup.append(start_feed)
+    app.on_shutdown.append(stop_feed)
     app.on_cleanup.append(close_bus)
     app.router.add_post(ROUTES["admit"], shim.admit)
     app.router.add_get(ROUTES["state"], shim.state)
@@ -1076,6 +1124,8 @@ def create_app(settings: ShimSettings) -> web.Application:
     app.router.add_post(ROUTES["load"], shim.load)
     app.router.add_post(ROUTES["unload"], shim.unload)
     app.router.add_post(ROUTES["auto"], shim.auto)
+    app.router.add_get(ROUTES["targets"], shim.targets)
+    app.router.add_get(ROUTES["events"], shim.event_stream)
     app.router.add_get(ROUTES["metrics"], shim.metrics_page)
     app.router.add_get(ROUTES["openapi"], shim.openapi)
     return app

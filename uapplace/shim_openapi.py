@@ -163,6 +163,25 @@ def _resolve_operation(errors: Sequence[int]) -> dict[str, Any]:
     return item
 
 
+_TARGET: dict[str, Any] = {
+    "type": "object",
+    "required": ["target_id", "model", "rails", "rails_source", "state"],
+    "properties": {
+        "target_id": {"type": "string"},
+        "model": {"type": "string"},
+        "engine": {"type": "string"},
+        "endpoint": {"type": ["string", "null"]},
+        "rails": {"type": ["integer", "null"], "minimum": 1},
+        "rails_source": {"enum": ["registry", "slots", "props", "metrics", None]},
+        "state": {"enum": ["ok", "disagree", "probe_failed", "unsupported", "not_probed"]},
+        "declared": {"type": ["integer", "null"]},
+        "declared_source": {"type": ["string", "null"]},
+        "live": {"type": "object"},
+        "agrees": {"type": ["boolean", "null"]},
+    },
+}
+
+
 def _get(
     summary: str, response: Mapping[str, Any], errors: Sequence[int], **extra: Any
 ) -> dict[str, Any]:
@@ -272,6 +291,40 @@ def openapi_document(
                             "description": "OK",
                             "content": {"text/plain": {"schema": {"type": "string"}}},
                         }
+                    },
+                }
+            },
+            routes["targets"]: _get(
+                "Per-target rails (how many requests each target takes at once), from the "
+                "registry cross-checked with the live engine; rails null = unknown",
+                {"type": "object", "properties": {"targets": {"type": "array", "items": _TARGET}}},
+                (503,),
+            ),
+            routes["events"]: {
+                "get": {
+                    "summary": "Server-Sent Events: Parked, Resolved, ResidentChanged, "
+                    "EnforcementStep, AlertRaised (data: {id, event, at, data}); resume with "
+                    "Last-Event-ID (or ?last_event_id=); EventsLost names ids no longer kept",
+                    "parameters": [
+                        {
+                            "name": "last_event_id",
+                            "in": "query",
+                            "required": False,
+                            "schema": {"type": "integer", "minimum": 0},
+                        },
+                        {
+                            "name": "Last-Event-ID",
+                            "in": "header",
+                            "required": False,
+                            "schema": {"type": "integer", "minimum": 0},
+                        },
+                    ],
+                    "responses": {
+                        "200": {
+                            "description": "OK",
+                            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                        },
+                        **_errors(400),
                     },
                 }
             },

@@ -39,7 +39,8 @@ unit, or is not running is dropped with a ``resident_dropped`` alert. After it,
 the residents are exactly the running registry units. The probe (device memory)
 is what the planner uses for free memory, so it wins over the residents' costs
 by construction; processes holding device memory that belong to no resident's
-unit are reported as a ``probe_mismatch`` alert.
+unit, more than the device's ``reserved_mib`` in all, are reported as a
+``probe_mismatch`` alert.
 
 Which config a unit runs: the one a running enforcement is starting, else the
 resident already recorded for the unit, else the registry's only config under
@@ -106,6 +107,11 @@ class EnforcementMarks:
     def __init__(self) -> None:
         self._draining: dict[ResidentKey, str] = {}
         self._starting: dict[str, tuple[ResidentKey, str]] = {}
+        self._on_cleared: list[Callable[[], None]] = []
+
+    def on_cleared(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after a run's marks are cleared (the run is ending)."""
+        self._on_cleared.append(callback)
 
     def mark_draining(self, key: ResidentKey, run_id: str) -> None:
         self._draining[key] = run_id
@@ -120,6 +126,8 @@ class EnforcementMarks:
             del self._draining[key]
         for unit in [u for u, (_, owner) in self._starting.items() if owner == run_id]:
             del self._starting[unit]
+        for callback in self._on_cleared:
+            callback()
         return cleared
 
     def expected_for_unit(self, unit: str) -> ResidentKey | None:
@@ -314,6 +322,7 @@ class UnitSync:
         self.http_s = http_s
         self._clock = clock
         self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._resync: asyncio.Task[None] | None = None
         self._started = False
         self._closed = False
 
@@ -321,8 +330,37 @@ class UnitSync:
         """Listen for changes, then reconcile every resident with the units."""
         if not self._started:
             self.units.on_change(self._on_change)
+            self.marks.on_cleared(self._after_run)
             self._started = True
         await self.sync_all()
+
+    def _after_run(self) -> None:
+        """A run is ending: once its own bookkeeping is done (it drops or restores its
+        victims right after clearing its marks, without yielding), follow every unit
+        again. A victim the rollback could not verify but whose unit runs is then a
+        ``warming`` resident again (never forwarded to, still counted), not a unit
+        running behind the residents' back."""
+        if self._closed:
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to follow
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._spawn_resync)
+
+    def _spawn_resync(self) -> None:
+        if self._closed or (self._resync is not None and not self._resync.done()):
+            return
+        self._resync = asyncio.create_task(self.resync_units(), name="unitsync-resync")
+
+    async def resync_units(self) -> None:
+        """Read every registry unit's state and follow it (no alerts, no probe)."""
+        for unit in registry_units(self.host.registry()):
+            try:
+                state = await self.units.state(unit)
+            except UnitError as err:
+                log.warning("cannot read the state of %s: %s", unit, err)
+                continue
+            if not self._closed:
+                self.follow(unit, state)
 
     async def sync_all(self) -> None:
         """Reconcile (module doc): follow every registry unit's state now, then drop the
@@ -344,6 +382,8 @@ class UnitSync:
         """Stop every verification watcher (the change listener becomes a no-op)."""
         self._closed = True
         watchers = list(self._watchers.values())
+        if self._resync is not None:
+            watchers.append(self._resync)
         self._watchers.clear()
         for task in watchers:
             task.cancel()
@@ -387,7 +427,9 @@ class UnitSync:
         )
 
     async def _compare_probe(self) -> None:
-        """Device memory held by processes no resident's unit owns: a ``probe_mismatch``."""
+        """Device memory held by processes no resident's unit owns, beyond the device's
+        ``reserved_mib`` (the registry's allowance for the desktop and other GPU users),
+        is a ``probe_mismatch``: an orphan, or an engine started outside systemd."""
         try:
             readings = await self.host.read_devices()
         except Exception as err:  # the probe is advisory here; the planner reads it itself
@@ -398,11 +440,13 @@ class UnitSync:
             if resident.unit:
                 pids = await self._pids(resident.unit)
                 owned.setdefault(resident.device, set()).update(pids)
+        devices = self.host.registry().devices
         for key, reading in readings.items():
             if reading.kind is not DeviceKind.GPU:
                 continue
             strangers = [p for p in reading.processes if p.pid not in owned.get(key, set())]
-            if strangers:
+            allowance = devices[key].reserved_mib if key in devices else 0
+            if sum(p.used_mib for p in strangers) > allowance:
                 rows = "; ".join(
                     f"pid {p.pid} `{p.command or '?'}` {p.used_mib:,.0f} MiB" for p in strangers
                 )
@@ -459,8 +503,10 @@ class UnitSync:
         if resident.state is ResidentState.HOT:
             self._publish(resident)  # verified in this daemon's life, same engine
             return
-        if resident.state is not ResidentState.PAUSED:
-            resident = replace(resident, state=ResidentState.WARMING)
+        if resident.state is ResidentState.PAUSED:
+            self._publish(resident)  # weights offloaded: only a resume publishes it again
+            return
+        resident = replace(resident, state=ResidentState.WARMING)
         self._publish(resident)
         self._watch_publication(unit, resident)
 

@@ -235,3 +235,23 @@ async def test_an_unknown_sender_is_refused(daemon_bus: MessageBus) -> None:
         NotAuthorized, match=re.escape("org.uap.placement.apply: cannot identify caller :9.9")
     ):
         await authorizer.check(":9.9", Action.APPLY)
+
+
+@pytest.mark.bus
+async def test_check_polkit_has_no_same_uid_fallback(
+    daemon_bus: MessageBus, caller: str, polkitd: MockService, system_bus: str
+) -> None:
+    """release-others acts on another connection's state: the uid rule cannot grant it."""
+    without = Authorizer(daemon_bus, None)
+    await without.check(caller, Action.HOLD)  # the same user: the uid rule says yes
+    with pytest.raises(NotAuthorized, match="only polkit can grant this"):
+        await without.check_polkit(caller, Action.RELEASE_OTHERS)
+    with_polkit = Authorizer(daemon_bus, system_bus)
+    try:
+        polkitd.call("SetAllowed", [Action.RELEASE_OTHERS.value])
+        await with_polkit.check_polkit(caller, Action.RELEASE_OTHERS)
+        polkitd.call("SetAllowed", [])
+        with pytest.raises(NotAuthorized, match="polkit denies it"):
+            await with_polkit.check_polkit(caller, Action.RELEASE_OTHERS)
+    finally:
+        await with_polkit.close()

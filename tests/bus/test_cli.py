@@ -251,17 +251,16 @@ def test_watch_prints_signals_as_json_lines(daemon: DaemonProcess) -> None:
         assert "watching" in watcher.stderr.readline()  # subscribed from here on
         park(daemon.uap, "beta", "watched")
         line = json.loads(watcher.stdout.readline())
-        assert line["signal"] == "Parked" and line["model"] == "beta"
-        dismissed = run_cli(daemon.uap, "dismiss", line["placement_id"])
+        # The shim's SSE data objects (uapplace.events.Event.to_json).
+        assert (line["id"], line["event"], line["data"]["model"]) == (1, "Parked", "beta")
+        placement_id = line["data"]["placement_id"]
+        dismissed = run_cli(daemon.uap, "dismiss", placement_id)
         assert dismissed.returncode == 0
         resolved = json.loads(watcher.stdout.readline())
-        while resolved["signal"] != "Resolved":
+        while resolved["event"] != "Resolved":
             resolved = json.loads(watcher.stdout.readline())
-        assert resolved == {
-            **resolved,
-            "placement_id": line["placement_id"],
-            "outcome": "dismissed",
-        }
+        assert resolved["data"] == {"placement_id": placement_id, "outcome": "dismissed"}
+        assert resolved["id"] > line["id"]
         watcher.send_signal(signal.SIGINT)
         assert watcher.wait(timeout=30) == 0
     finally:

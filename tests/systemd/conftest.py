@@ -130,9 +130,11 @@ class UnitFiles:
         mib: float = 0,
         engine_args: Sequence[str] = (),
         service: str = "",
+        port: int | None = None,
     ) -> EngineUnit:
-        """A ``Type=exec`` unit whose ExecStart is the fake engine on a free port."""
-        port = free_port()
+        """A ``Type=exec`` unit whose ExecStart is the fake engine on a free port (or on
+        ``port``: two units sharing one, as behind a single-upstream proxy)."""
+        port = port if port is not None else free_port()
         argv = [sys.executable, "-m", "uapplace.sim.engine", "--port", str(port)]
         argv += ["--model-id", model_id, *engine_args]
         lines = ["Type=exec", f"ExecStart={shlex.join(argv)}", "TimeoutStopSec=10"]

@@ -35,7 +35,7 @@ import aiohttp
 from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
 from tests.bus.shim_fixtures import ShimProcess, start_shim
 from tests.systemd.conftest import EngineUnit, UnitFiles
-from tests.systemd.placement_world import FAST, POLICY, registry_json
+from tests.systemd.placement_world import ALPHA_MIB, BETA_MIB, FAST, POLICY, registry_json
 from uapplace.paths import BUS_NAME
 from uapplace.sim import gateproxy
 from uapplace.sim.gateproxy import GateProxy
@@ -133,8 +133,15 @@ async def live_world(
     unit_files: UnitFiles,
     *,
     beta_args: Sequence[str] = (),
+    single_upstream: bool = False,
+    mibs: tuple[int, int] = (ALPHA_MIB, BETA_MIB),
 ) -> AsyncIterator[LiveWorld]:
-    """The world above; everything it started is stopped (by PID) when the block ends."""
+    """The world above; everything it started is stopped (by PID) when the block ends.
+
+    ``single_upstream``: the stock UAP proxy's topology (issue 13): both engines on one
+    port, the registry's ``proxy.single_upstream`` naming it, and the gate proxy in its
+    single-upstream mode. ``mibs``: alpha's and beta's footprints (registry and claim).
+    """
     # The proxy binds first, so the free ports picked for the engines cannot be its.
     proxy_sock = gateproxy.bind_loopback()
     daemon: DaemonProcess | None = None
@@ -144,12 +151,17 @@ async def live_world(
         uap = make_env(tmp_path / "uap", user_manager_bus)
         sim = SimGpu(Path(uap.env["UAPPLACE_SIM_GPU"]))
         load = ["--load-secs", "0.3", "--kv", "int8"]
-        alpha = unit_files.engine("alpha", "alpha", sim, mib=14000, engine_args=load)
+        alpha = unit_files.engine("alpha", "alpha", sim, mib=mibs[0], engine_args=load)
         beta_load = [*load, "--advertise", "beta-latest", *beta_args]
-        beta = unit_files.engine("beta", "beta", sim, mib=16000, engine_args=beta_load)
+        shared_port = alpha.port if single_upstream else None
+        beta = unit_files.engine(
+            "beta", "beta", sim, mib=mibs[1], engine_args=beta_load, port=shared_port
+        )
         await units.reload()
         host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
-        registry = registry_json(alpha, beta, host_mib)
+        registry = registry_json(alpha, beta, host_mib, *mibs)
+        if single_upstream:
+            registry["proxy"] = {"single_upstream": alpha.endpoint}
         uap.write_registry(registry)
         (uap.config_dir / "capacity-policy.json").write_text(json.dumps(POLICY), encoding="utf-8")
         uap.home.mkdir(parents=True, exist_ok=True)
@@ -162,7 +174,8 @@ async def live_world(
 
         daemon = await asyncio.to_thread(start_daemon, uap)
         shim = await asyncio.to_thread(start_shim, uap.env, user_manager_bus, uap.root)
-        proxy = GateProxy(shim.base_url, PROXY_TOKEN)
+        upstream = alpha.endpoint if single_upstream else None
+        proxy = GateProxy(shim.base_url, PROXY_TOKEN, single_upstream=upstream)
         runner, proxy_url = await gateproxy.start(proxy, sock=proxy_sock)
         async with aiohttp.ClientSession() as http:
             world = LiveWorld(uap, daemon, shim, proxy, proxy_url, alpha, beta, units, http)

@@ -13,6 +13,12 @@ resident still ``hot``.
 from __future__ import annotations
 
 import asyncio
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -43,6 +49,45 @@ async def world(
 async def cli(world: LiveWorld, *args: str) -> tuple[int, str, str]:
     done = await asyncio.to_thread(run_cli, world.uap, *args, timeout=CLI_TIMEOUT_S)
     return done.returncode, done.stdout, done.stderr
+
+
+def answer_on_a_terminal(world: LiveWorld, args: list[str], answer: str) -> tuple[int, str]:
+    """Run the CLI on a pseudo-terminal, answer its y/N prompt; exit code and what it showed."""
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uapplace.cli", *args],
+        env=world.uap.env,
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        close_fds=True,
+    )
+    os.close(follower)
+    shown = b""
+    answered = False
+    deadline = time.monotonic() + CLI_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(leader, 4096)
+                except OSError:  # the terminal closed: the command exited
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            if not answered and b"[y/N]" in shown:
+                os.write(leader, answer.encode() + b"\n")
+                answered = True
+            if process.poll() is not None and not ready:
+                break
+        return process.wait(timeout=CLI_TIMEOUT_S), shown.decode(errors="replace")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(leader)
 
 
 async def assert_untouched(world: LiveWorld) -> None:
@@ -90,6 +135,12 @@ async def test_load_that_evicts_needs_a_yes_and_the_signature_it_showed(world: L
     assert status == 409 and "victim set changed" in body["error"], body
     await assert_untouched(world)
 
+    # On a terminal it asks instead; anything but y stops nothing.
+    code, shown = await asyncio.to_thread(answer_on_a_terminal, world, ["load", "beta"], "n")
+    assert code == 1, shown
+    assert "Stop the models above to load beta? [y/N]" in shown and "nothing stopped" in shown
+    await assert_untouched(world)
+
     # With --yes the CLI sends the signature it showed and follows the run to its end.
     code, out, err = await cli(world, "load", "beta", "--yes")
     assert code == 0, out + err
@@ -100,3 +151,10 @@ async def test_load_that_evicts_needs_a_yes_and_the_signature_it_showed(world: L
     assert await world.active(world.alpha) == "inactive"
     assert await world.active(world.beta) == "active"
     assert (await world.resident_states()).get("beta") == "hot"
+
+    # Unload with --yes sends PreviewUnload's signature and stops exactly that.
+    code, out, err = await cli(world, "unload", "beta", "--yes")
+    assert code == 0, out + err
+    assert "beta/b1" in out and "unload beta: done" in out
+    assert await world.active(world.beta) == "inactive"
+    assert "beta" not in await world.resident_states()

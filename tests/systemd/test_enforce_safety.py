@@ -124,7 +124,11 @@ async def test_a_new_unit_that_does_not_exist_is_refused_and_the_victim_never_st
     assert step_names(result) == ["revalidate", "preflight"]
     preflight = step(result, "preflight")
     assert preflight["ok"] is False
-    assert f"unit {world.beta.name}: LoadState is 'not-found', not 'loaded'" in preflight["detail"]
+    assert preflight["detail"] == (
+        f"unit {world.beta.name}: LoadState is 'not-found', not 'loaded': Unit "
+        f"{world.beta.name} not found. (no unit file: install it in the user unit directory, "
+        "then daemon-reload)"
+    )
     assert result["error"].endswith("; nothing was stopped")
     # alpha was never touched: same process, no state change, never marked draining.
     assert await main_pid(world, world.alpha.name) == pid_before
@@ -271,8 +275,9 @@ async def test_a_never_healthy_engine_with_a_measured_start_is_rolled_back_withi
     assert world.controller.load.registry.models["beta"].configs["b1"].start_s == 1.0
     entry = await world.park("beta")
 
+    # Queued like the auto runner's run (wait=True): unattended, so a failure is an alert.
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 1, ALPHA_VICTIM)
+        result = await world.enforcer.apply(entry, 1, ALPHA_VICTIM, wait=True)
 
     bound = max(
         MEASURED.measured_start_floor_s,
@@ -294,6 +299,17 @@ async def test_a_never_healthy_engine_with_a_measured_start_is_rolled_back_withi
     ]
     await assert_alpha_serving(world)
     assert "hot" not in world.events.states_of("beta")
+    (alert,) = (await world.controller.state_json())["alerts"]
+    assert (alert["kind"], alert["severity"], alert["subject"]) == (
+        "enforcement_failed",
+        "warning",
+        "beta",
+    )
+    assert alert["message"].startswith(f"auto-load: apply {entry.id} option 1 ")
+    assert "failed and was rolled back: verify-up: " in alert["message"]
+    assert (
+        f"Running now: alpha/a1 on gpu0, {world.alpha.name} active/running." in (alert["message"])
+    )
 
 
 # --------------------------------------------------------------------------- (f) incomplete

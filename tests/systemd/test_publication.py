@@ -15,6 +15,7 @@ Two layers:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import pytest
 
 from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
@@ -313,3 +315,91 @@ def _sync(check: Callable[[], T]) -> Callable[[], Any]:
         return check()
 
     return wrapped
+
+
+async def test_reconcile_reports_memory_no_resident_unit_holds(
+    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
+) -> None:
+    """An orphan keeps alpha's VRAM after its unit stopped: the probe wins, and says so."""
+    pidfile = tmp_path / "orphan.pid"
+    world = await build_world(
+        tmp_path,
+        units,
+        unit_files,
+        sim_gpu,
+        alpha_args=["--orphan", "--orphan-pidfile", str(pidfile), "--orphan-lifetime", "60"],
+        alpha_service="KillMode=process",
+    )
+    try:
+        await world.start_alpha()
+        stopped = await world.units.stop_unit(world.alpha.name, GUARD_S)
+        assert stopped.ok, stopped
+        await world.events.until(lambda: world.resident("alpha") is None)
+        orphan = int(pidfile.read_text(encoding="ascii"))
+
+        await world.sync.sync_all()
+
+        alert = next(a for a in world.events.alerts if a.kind is AlertKind.PROBE_MISMATCH)
+        assert alert.subject == "gpu0"
+        assert alert.detail["pids"] == [orphan]
+        assert f"pid {orphan}" in alert.message and "14,000 MiB" in alert.message
+    finally:
+        await close_world(world)
+        if pidfile.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pidfile.read_text(encoding="ascii")), signal.SIGKILL)
+
+
+async def test_an_engine_answering_503_is_never_forwarded_to(
+    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
+) -> None:
+    world = await build_world(tmp_path, units, unit_files, sim_gpu, alpha_args=["--never-healthy"])
+    try:
+        started = await world.units.start_unit(world.alpha.name, GUARD_S)
+        assert started.ok, started
+        await world.events.until(lambda: world.state_of("alpha") == "warming")
+
+        async def answers_503() -> bool:
+            with contextlib.suppress(OSError, TimeoutError):
+                async with (
+                    aiohttp.ClientSession() as http,
+                    http.get(f"{world.alpha.endpoint}/health") as reply,
+                ):
+                    return reply.status == 503
+            return False
+
+        async with asyncio.timeout(GUARD_S):
+            while True:  # polls an HTTP server nothing signals about
+                if await answers_503():
+                    break
+                await asyncio.sleep(0.05)
+        for requested in ("alpha", "alpha-latest", "a1"):
+            decision = world.controller.admit(requested, "client-1", "", 0)
+            assert (decision.decision, decision.reason) == ("park", "warming"), requested
+        assert world.state_of("alpha") == "warming"
+    finally:
+        await close_world(world)
+
+
+async def test_a_victim_the_rollback_could_not_verify_stays_a_warming_resident(
+    world: World,
+) -> None:
+    """beta serves the wrong id, so the swap rolls back; alpha's unit now starts an engine
+    that never turns healthy, so the rollback is incomplete. alpha's unit runs: it is a
+    ``warming`` resident (counted by the planner, never forwarded to), not a unit running
+    behind the residents' back (DESIGN §5a invariant 5)."""
+    await world.start_alpha()
+    text = world.alpha.path.read_text(encoding="utf-8")
+    world.alpha.path.write_text(
+        text.replace("--model-id alpha", "--model-id alpha --never-healthy"), encoding="utf-8"
+    )
+    await world.units.reload()
+    entry = await world.park("beta")
+
+    result = await world.enforcer.apply(entry, 1, ["alpha/a1"])
+
+    assert result["ok"] is False and "ROLLBACK INCOMPLETE" in result["error"], result
+    assert (await world.units.state(world.alpha.name)).active_state == "active"
+    await world.events.until(lambda: world.state_of("alpha") == "warming")
+    decision = world.controller.admit("alpha", "client-2", "", 0)
+    assert (decision.decision, decision.reason) == ("park", "warming")

@@ -9,9 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
-from uapplace.controller import Controller, ResidentRow
-from uapplace.errors import InvalidArgument, NotFound, UnknownModel
+from uapplace.alerts import Alert
+from uapplace.controller import Controller, ProxyHolders, ResidentRow
+from uapplace.engines import ProxyClient, ProxyTokenRejected
+from uapplace.errors import InvalidArgument, NotAuthorized, NotFound, UnknownModel
 from uapplace.ledger import Ledger, LedgerDoc
 from uapplace.model import (
     Holder,
@@ -23,6 +26,7 @@ from uapplace.model import (
 )
 from uapplace.paths import Paths
 from uapplace.registry import local_measurements
+from uapplace.sim.engine import FakeEngine, parse_options
 from uapplace.sim.gpu import SimGpu, sim_uuid
 
 MEASURED = {
@@ -76,6 +80,9 @@ class Recorder:
 
     def on_residents(self, rows: list[ResidentRow]) -> None:
         self.seen.append(("residents", rows))
+
+    def on_alert(self, alert: Alert) -> None:
+        self.seen.append(("alert", (alert.kind.value, alert.severity.value, alert.subject)))
 
     def of(self, kind: str) -> list[Any]:
         return [value for seen_kind, value in self.seen if seen_kind == kind]
@@ -250,9 +257,24 @@ async def test_holds_pin_residents_and_end_with_their_sender(controller: Control
     controller.drop_holds_of(":1.42")
     assert controller.holds == {}
     with pytest.raises(NotFound):
-        controller.release(cookie)
+        controller.release(cookie, ":1.42")
     with pytest.raises(UnknownModel):
         await controller.hold("nope", "eval", "bench", ":1.42")
+
+
+async def test_only_the_holder_releases_unless_authorized_for_others(
+    controller: Controller,
+) -> None:
+    cookie = await controller.hold("alpha", "eval", "bench", ":1.42")
+    assert controller.hold_owner(cookie) == ":1.42"
+    with pytest.raises(NotAuthorized, match=r"belongs to bus connection :1\.42 \(bench\)"):
+        controller.release(cookie, ":1.7")
+    assert cookie in controller.holds
+    controller.release(cookie, ":1.7", may_release_others=True)  # polkit said yes
+    assert controller.holds == {}
+    again = await controller.hold("alpha", "eval", "bench", ":1.42")
+    controller.release(again, ":1.42")
+    assert controller.holds == {}
 
 
 async def test_standing_consent_needs_consent(controller: Controller) -> None:
@@ -269,6 +291,11 @@ async def test_a_bad_reload_keeps_the_last_good_registry(
     assert report["findings"][0]["file"] == str(paths.repo_registry)
     assert "alpha" in controller.load.registry.models
     assert controller.admit("alpha", "c9", "", 0).reason == "not_resident"
+    # The operator's edit is ignored: said where they look (banner, notification), not only logged.
+    (alert,) = [a.to_json() for a in controller.alerts.active()]
+    assert (alert["kind"], alert["severity"]) == ("config_error", "warning")
+    assert alert["subject"] == str(paths.repo_registry)
+    assert "keeps placing with the last good one" in alert["message"]
     paths.repo_registry.write_text(json.dumps(REGISTRY))
     assert (await controller.validate())["ok"] is True
     assert controller.reload_error is None
@@ -282,3 +309,67 @@ async def test_shutdown_flushes_pending_entries(controller: Controller, paths: P
     stored = Ledger(paths.ledger).read()
     assert [p.id for p in stored.pending] == [placement_id]
     assert stored.pending[0].options[0].config == "alpha-q4"
+
+
+# --------------------------------------------------------------------------- issue 13
+
+
+async def test_a_proxy_401_raises_one_token_mismatch_alert_and_stays_an_error(
+    controller: Controller, events: Recorder
+) -> None:
+    async def refuse(_: web.Request) -> web.Response:
+        return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+
+    app = web.Application()
+    app.router.add_get("/internal/placement/inflight", refuse)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    holders = ProxyHolders(
+        ProxyClient(f"http://{host}:{port}", "wrong"), controller.proxy_token_rejected
+    )
+    try:
+        for _ in range(3):
+            with pytest.raises(ProxyTokenRejected, match="HTTP 401"):
+                await holders.inflight()
+    finally:
+        await runner.cleanup()
+    assert events.of("alert") == [("token_mismatch", "critical", controller.paths.proxy_url)]
+    (alert,) = controller.alerts.active()
+    assert "different tokens" in alert.message
+
+
+async def test_get_state_carries_counters_and_target_rails(controller: Controller) -> None:
+    controller.admit("alpha", "c1", "", 0)
+    controller.upsert_resident(resident())
+    state = await controller.state_json()
+    assert state["counters"]["admits"] == [
+        {"decision": "park", "reason": "not_resident", "count": 1}
+    ]
+    (target,) = state["targets"]
+    assert target["target_id"] == "gpu0:http://127.0.0.1:18080"
+    # Nothing listens there: the declared figure, and the probe failure said as such.
+    assert (target["rails"], target["rails_source"], target["state"]) == (
+        1,
+        "registry",
+        "probe_failed",
+    )
+
+
+async def test_validate_warns_when_the_live_rails_disagree(controller: Controller) -> None:
+    engine = FakeEngine(parse_options(["--port", "0", "--model-id", "alpha", "--parallel", "2"]))
+    await engine.finish_loading()
+    runner = web.AppRunner(engine.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    try:
+        controller.upsert_resident(replace(resident(), endpoint=f"http://{host}:{port}"))
+        report = await controller.validate()
+    finally:
+        await runner.cleanup()
+    (warning,) = [f for f in report["findings"] if f["json_path"] == "$.models.alpha.rails"]
+    assert warning["severity"] == "warning"
+    assert "declares rails 1" in warning["message"] and "reports 2" in warning["message"]
+    assert "the gate uses 1" in warning["message"]

@@ -54,6 +54,8 @@ class FakeGpu:
     total: int
     free: int
     processes: list[tuple[int, int | None]] = field(default_factory=list)
+    name: str | None = None
+    """``None``: this fake NVML has no ``nvmlDeviceGetName`` answer for the card."""
 
 
 @dataclass
@@ -103,6 +105,12 @@ class FakeNvml:
 
     def nvmlDeviceGetUUID(self, handle: int) -> bytes:
         return self.gpus[handle].uuid.encode()
+
+    def nvmlDeviceGetName(self, handle: int) -> bytes:
+        name = self.gpus[handle].name
+        if name is None:
+            raise FakeNvmlError("Not Supported")
+        return name.encode()
 
     def nvmlDeviceGetMemoryInfo(self, handle: int) -> FakeMemory:
         if self.fail_memory:
@@ -265,13 +273,14 @@ def test_sim_probe_reads_like_nvml(sim: SimGpu) -> None:
 
     nvml = FakeNvml(
         [
-            FakeGpu("GPU-aaaa", 24576 * MIB, 20000 * MIB, [(os.getpid(), 4576 * MIB)]),
-            FakeGpu("GPU-bbbb", 16384 * MIB, 16384 * MIB),
+            FakeGpu("GPU-aaaa", 24576 * MIB, 20000 * MIB, [(os.getpid(), 4576 * MIB)], "A"),
+            FakeGpu("GPU-bbbb", 16384 * MIB, 16384 * MIB, name="B"),
         ]
     )
     real = NvmlProbe(devices, nvml=nvml, command_of=lambda pid: "engine").read()
 
     assert {r.source for r in simulated.values()} == {ProbeSource.SIM}
+    assert [r.name for r in real.values()] == ["A", "B"]  # a measurement's device identity
     assert {key: replace(r, source=ProbeSource.NVML) for key, r in simulated.items()} == real
 
 

@@ -301,6 +301,20 @@ def test_an_unreadable_unit_state_is_refused_with_the_managers_error() -> None:
     ]
 
 
+def test_a_new_unit_already_running_outside_any_resident_is_refused() -> None:
+    running = unit_state(active_state="active", sub_state="running", main_pid=4242)
+
+    problems = preflight_problems(facts(state=running))
+
+    assert problems == [
+        "unit beta.service: already active/running, MainPID 4242 but not a verified "
+        "resident; stop it, or let the unit sync verify it, before placing it"
+    ]
+    # The same unit run by a victim (another config of the model) stops first: fine.
+    shared = facts(state=running, victims=(resident("beta", "b0", unit="beta.service"),))
+    assert preflight_problems(shared) == []
+
+
 def test_a_unit_without_exec_start_is_refused() -> None:
     problems = preflight_problems(facts(state=unit_state(exec_paths=(), exec_start="")))
 
@@ -387,6 +401,10 @@ def test_the_host_ram_gate_fails_closed_without_a_host_device_or_reading() -> No
     ]
     assert preflight_problems(facts(host_reading=None)) == [
         "host RAM gate: no reading of cpu0 (absent)"
+    ]
+    probe_failed = facts(host_reading=None, host_error="the probe failed: OSError: boom")
+    assert preflight_problems(probe_failed) == [
+        "host RAM gate: no reading of cpu0 (the probe failed: OSError: boom)"
     ]
 
 

@@ -25,6 +25,7 @@ from uapplace.enforce import (
     Timeouts,
     normalize_signature,
 )
+from uapplace.engines import ProxyTokenRejected
 from uapplace.errors import Busy, Drifted, Failed, InvalidArgument, NotFound, UnknownModel
 from uapplace.model import (
     Config,
@@ -43,7 +44,7 @@ from uapplace.model import (
 )
 from uapplace.planner import PlanInput, plan
 from uapplace.registry import ConfigFileError
-from uapplace.units import UnitManager
+from uapplace.units import UnitManager, UnitState
 from uapplace.unitsync import default_device, registry_units
 
 MEASURED_AT = "2026-10-08T14:02:00Z"
@@ -451,3 +452,67 @@ async def test_unload_refuses_a_signature_that_is_not_what_would_stop(
         await enforcer.unload("alpha", ["alpha/a0"])
 
     assert [r.state for r in host.live] == [ResidentState.HOT]
+
+
+# --------------------------------------------------------------------------- proxy token (issue 13)
+
+
+@dataclass
+class TokenRejectingHost(MemoryHost):
+    """The proxy answers 401 on its in-flight route: our token is not its token."""
+
+    async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
+        raise ProxyTokenRejected("the proxy at http://127.0.0.1:9 refused ... (HTTP 401)")
+
+
+class LoadedUnits:
+    """Units that read as loaded (alpha running, beta stopped); any job is recorded."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[str, str]] = []
+
+    async def state(self, unit: str) -> UnitState:
+        active = unit == "alpha.service"
+        return UnitState(
+            "active" if active else "inactive",
+            "running" if active else "dead",
+            "loaded",
+            4242 if active else 0,
+            "/bin/true",
+            exec_paths=("/bin/true",),
+        )
+
+    def on_change(self, callback: object) -> None:
+        pass
+
+    async def stop_unit(self, unit: str, timeout_s: float) -> None:
+        self.jobs.append(("stop", unit))
+        raise AssertionError(f"stopped {unit}")
+
+    async def start_unit(self, unit: str, timeout_s: float) -> None:
+        self.jobs.append(("start", unit))
+        raise AssertionError(f"started {unit}")
+
+    async def pids(self, unit: str) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_proxy_token_mismatch_fails_the_drain_at_once_and_stops_nothing() -> None:
+    host = TokenRejectingHost(live=[resident("alpha", "a1", unit="alpha.service")])
+    entry = park(host)
+    units = LoadedUnits()
+    enforcer = Enforcer(host, units)  # type: ignore[arg-type]  # the default 60 s drain
+
+    result = await enforcer.apply(entry, 1, ["alpha/a1"])
+
+    assert result["ok"] is False
+    assert "drain: the proxy at http://127.0.0.1:9 refused" in result["error"]
+    assert "HTTP 401" in result["error"] and "nothing was stopped" in result["error"]
+    names = [(s[1], s[2]) for s in host.steps]
+    assert ("drain", False) in names
+    assert not any(name == "stop" for name, _ in names)
+    assert [r.state for r in host.live] == [ResidentState.HOT]  # the draining mark is gone
+    assert units.jobs == []

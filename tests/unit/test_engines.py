@@ -24,7 +24,7 @@ import pytest
 from aiohttp import web
 
 from uapplace import engines
-from uapplace.engines import EngineError, ProxyClient, parse_prometheus
+from uapplace.engines import EngineError, ProxyClient, ProxyTokenRejected, parse_prometheus
 from uapplace.sim.engine import READY_PREFIX, EngineOptions, FakeEngine
 from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
 
@@ -254,12 +254,36 @@ async def test_no_token_sends_no_authorization(proxy: FakeProxy) -> None:
 
 @pytest.mark.parametrize(
     "reply",
-    [(401, {"error": "no"}), (500, "boom"), (200, "not json"), (200, {"targets": [1]}), (200, {})],
+    [(403, {"error": "no"}), (500, "boom"), (200, "not json"), (200, {"targets": [1]}), (200, {})],
 )
 async def test_inflight_unknown_is_none(proxy: FakeProxy, reply: tuple[int, Any]) -> None:
     proxy.inflight_reply = reply
     async with serving(proxy.app()) as url:
         assert await ProxyClient(url, "t").inflight() is None
+
+
+async def test_a_401_is_a_token_mismatch_everywhere(proxy: FakeProxy) -> None:
+    """Not "unknown": inflight raises, refresh and check name the mismatch."""
+    proxy.inflight_reply = proxy.refresh_reply = (401, {"error": "missing or wrong bearer token"})
+    async with serving(proxy.app()) as url:
+        client = ProxyClient(url, "wrong")
+        with pytest.raises(ProxyTokenRejected, match="HTTP 401") as raised:
+            await client.inflight()
+        ok, detail = await client.refresh()
+        problem = await client.check()
+        no_token = await ProxyClient(url, None).check()
+    assert isinstance(raised.value, EngineError)
+    assert f"{url}/internal/placement/inflight refused the token" in str(raised.value)
+    assert ok is False and "different tokens" in detail and "/refresh" in detail
+    assert problem == str(raised.value)
+    assert no_token is not None and "refused no token" in no_token
+
+
+async def test_check_of_a_good_and_a_dead_proxy(proxy: FakeProxy) -> None:
+    async with serving(proxy.app()) as url:
+        assert await ProxyClient(url, "t").check() is None
+    dead = await ProxyClient(closed_port_url(), "t").check()
+    assert dead is not None and "no usable answer" in dead
 
 
 async def test_inflight_timeout_and_refused_are_none(proxy: FakeProxy) -> None:

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from uapplace import cli, jsonfile, textsafe
+from uapplace.alerts import AlertKind
 from uapplace.auto import AutoPolicy
 from uapplace.auto import load_policy as load_auto_policy
 from uapplace.capacity import load_policy as load_capacity_policy
@@ -540,3 +541,25 @@ def test_the_cli_consoles_are_installed() -> None:
         with console.capture() as captured:
             console.print("model \x1b]0;x\x07 from \x1b[2Jclient", markup=False)
         assert "\x1b" not in captured.get() and "\x07" not in captured.get()
+
+
+async def test_the_daemon_restores_the_good_items_and_raises_an_alert_for_the_bad(
+    tmp_path: Path,
+) -> None:
+    paths = sandbox(tmp_path)
+
+    def mutate(data: dict[str, Any]) -> None:
+        data["pending"][1]["expires_at"] = "2999-01-01T00:00:00Z"
+        data["pending"][0]["surprise"] = True
+        data["residents"][0]["gpu_mib"] = "@@"
+
+    paths.ledger.write_bytes(ledger_text(mutate).replace(b'"@@"', b"NaN"))
+    controller = Controller.open(paths)
+    await controller.restore_from_ledger()
+    assert [e.requested_model for e in controller.admission.pending.values()] == ["mystery"]
+    assert [r.model for r in controller.residents] == ["small"]
+    alerts = [a for a in controller.alerts.active() if a.kind is AlertKind.CONFIG_ERROR]
+    assert len(alerts) == 1 and alerts[0].subject == str(paths.ledger)
+    assert "pending[0].surprise" in alerts[0].message
+    assert "residents[0].gpu_mib" in alerts[0].message
+    assert not list(paths.uap_home.glob("placement.json.corrupt-*"))

@@ -4,7 +4,8 @@
 
     python -m uapplace.sim.engine --port P --model-id ID [--advertise ID2 ...]
         [--gpu-uuid U --mib N] [--host-mib N] [--load-secs S]
-        [--kv int8 --max-context 131072 --slots 1]
+        [--kv int8 --max-context 131072 --parallel 1] [--no-slots]
+        [--fail-route slots|props|metrics ...]
         [--fail-at-start] [--never-healthy] [--wrong-id]
         [--orphan --orphan-pidfile PATH [--orphan-lifetime 120]]
 
@@ -14,8 +15,11 @@ is 200 ``{"status": "ok"}``.
 
 - ``GET /v1/models``: OpenAI list; ids ``--model-id`` then each ``--advertise``
   (with ``--wrong-id``: only ``wrong-<model-id>``).
-- ``GET /slots``: one object per slot: ``id``, ``id_task``, ``n_ctx`` (the pool
+- ``GET /slots``: one object per slot (``--parallel N``, llama.cpp's ``-np``;
+  ``--slots N`` is the same flag): ``id``, ``id_task``, ``n_ctx`` (the pool
   divided by the slots, as llama.cpp splits it), ``is_processing``, ``params``.
+  With ``--no-slots`` it answers 501 ``not_supported_error`` as llama-server
+  does when started with ``--no-slots``.
 - ``GET /props``: ``default_generation_settings.n_ctx``, ``total_slots``, ``model_path``.
 - ``GET /metrics``: Prometheus text. ``llamacpp:prompt_tokens_total``,
   ``llamacpp:tokens_predicted_total`` (counters), ``llamacpp:requests_processing``,
@@ -34,7 +38,10 @@ not fit exits 1, as a failed ``cudaMalloc`` would. ``--host-mib`` touches that
 much host memory so the process RSS shows it.
 
 Failure injection: ``--fail-at-start`` exits 1 before claiming anything;
-``--never-healthy`` stays 503; ``--wrong-id`` serves a wrong id.
+``--never-healthy`` stays 503; ``--wrong-id`` serves a wrong id;
+``--fail-route R`` (``slots``, ``props`` or ``metrics``, repeatable) makes that
+route answer 500 with a non-JSON body, a probe that fails rather than one the
+engine does not support.
 
 ``--orphan`` reproduces spec §4.6 step 4 (a server started outside systemd left
 an orphaned ``llama-server`` holding VRAM with no listening socket): before
@@ -67,6 +74,7 @@ from uapplace.sim.gpu import SimGpu, SimGpuError
 ENGINE_NAME = "uapplace-sim"
 SIM_GPU_ENV = "UAPPLACE_SIM_GPU"
 READY_PREFIX = "uapplace-sim-engine listening on "
+FAILABLE_ROUTES = ("slots", "props", "metrics")
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,8 @@ class EngineOptions:
     kv: str = "f16"
     max_context: int = 32768
     slots: int = 1
+    no_slots: bool = False
+    fail_routes: frozenset[str] = frozenset()
     fail_at_start: bool = False
     never_healthy: bool = False
     wrong_id: bool = False
@@ -128,6 +138,12 @@ class FakeEngine:
         await asyncio.sleep(self.options.load_secs)
         self.loaded = True
 
+    def _failing(self, route: str) -> web.Response | None:
+        """The 500 of ``--fail-route``, or ``None`` when ``route`` works."""
+        if route not in self.options.fail_routes:
+            return None
+        return web.Response(status=500, text=f"simulated failure of /{route} (--fail-route)")
+
     def _loading(self) -> web.Response:
         return web.json_response(
             {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
@@ -151,6 +167,19 @@ class FakeEngine:
     async def slots(self, request: web.Request) -> web.Response:
         if not self.loaded:
             return self._loading()
+        if (failing := self._failing("slots")) is not None:
+            return failing
+        if self.options.no_slots:
+            return web.json_response(
+                {
+                    "error": {
+                        "code": 501,
+                        "message": "This server does not support slots endpoint.",
+                        "type": "not_supported_error",
+                    }
+                },
+                status=501,
+            )
         per_slot = self.options.max_context // self.options.slots
         return web.json_response(
             [
@@ -169,6 +198,8 @@ class FakeEngine:
     async def props(self, request: web.Request) -> web.Response:
         if not self.loaded:
             return self._loading()
+        if (failing := self._failing("props")) is not None:
+            return failing
         return web.json_response(
             {
                 "default_generation_settings": {
@@ -182,6 +213,8 @@ class FakeEngine:
     async def metrics(self, request: web.Request) -> web.Response:
         if not self.loaded:
             return self._loading()
+        if (failing := self._failing("metrics")) is not None:
+            return failing
         return web.Response(text=self.metrics_text(), content_type="text/plain")
 
     def metrics_text(self) -> str:
@@ -385,7 +418,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--load-secs", type=float, default=0.0)
     parser.add_argument("--kv", default="f16", help="KV cache type reported in /metrics")
     parser.add_argument("--max-context", type=int, default=32768, help="context pool in cells")
-    parser.add_argument("--slots", type=int, default=1)
+    parser.add_argument(
+        "--parallel",
+        "--slots",
+        "-np",
+        dest="slots",
+        type=int,
+        default=1,
+        help="parallel slots (llama.cpp's --parallel)",
+    )
+    parser.add_argument("--no-slots", action="store_true", help="/slots answers 501")
+    parser.add_argument(
+        "--fail-route",
+        action="append",
+        default=[],
+        choices=FAILABLE_ROUTES,
+        help="this route answers 500 (repeatable)",
+    )
     parser.add_argument("--fail-at-start", action="store_true")
     parser.add_argument("--never-healthy", action="store_true")
     parser.add_argument("--wrong-id", action="store_true")
@@ -400,7 +449,7 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
     args = parser.parse_args(argv)
     problems = {
         "--port": not 0 <= args.port <= 65535,
-        "--slots": args.slots < 1,
+        "--parallel/--slots": args.slots < 1,
         "--max-context": args.max_context < 1,
         "--mib": args.mib < 0,
         "--host-mib": args.host_mib < 0,
@@ -424,6 +473,8 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         kv=args.kv,
         max_context=args.max_context,
         slots=args.slots,
+        no_slots=args.no_slots,
+        fail_routes=frozenset(args.fail_route),
         fail_at_start=args.fail_at_start,
         never_healthy=args.never_healthy,
         wrong_id=args.wrong_id,

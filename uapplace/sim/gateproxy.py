@@ -19,12 +19,26 @@ Client routes:
 Who asks: ``x-uap-client-id: <id>`` makes the client ``x-uap-client-id:<id>``,
 else ``remote:<peer address>``; ``x-uap-session-id`` is the session.
 
-Routing: a forward's ``target_id`` is ``<device>:<endpoint>``; the endpoint is
-the upstream base URL. The proxy remembers which endpoint served each model id
-(its *cached upstream ids*, what the gate falls back on when the controller does
-not answer). A fallback forward (``target_id`` ``default``) goes to the
-remembered endpoint, else ``--default-upstream``, else it is parked with reason
-``unroutable_target``.
+Routing, two topologies:
+
+- **per-target** (the default, spec §9 "Phase 1.5"): a forward's ``target_id``
+  is ``<device>:<endpoint>``; the endpoint is the upstream base URL. The proxy
+  remembers which endpoint served each model id (its *cached upstream ids*, what
+  the gate falls back on when the controller does not answer). A fallback
+  forward (``target_id`` ``default``) goes to the remembered endpoint, else
+  ``--default-upstream``, else it is parked with reason ``unroutable_target``.
+- **single upstream** (``--single-upstream URL``): what the stock UAP proxy does
+  today with its one ``LLAMA_CPP_BASE``. Every forward goes to that URL; the
+  ``target_id`` only keys the concurrency slot and the in-flight bucket. Behind
+  such a proxy only the engine listening on that address is reachable, so the
+  registry must say so (``single_upstream``) for placement to stay honest.
+
+Concurrency: each forward holds a rail of its target in a
+:class:`~uapplace.gate.TargetSemaphores` map sized from the controller's
+``GET /api/placement/targets`` (read at start and after every refresh, in the
+background); a target the controller gave no rails for is not limited (the
+proxy's behaviour before rails existed). A request is listed in flight from the
+moment it is admitted, while it waits for its rail too: a drain must wait for it.
 
 Controller routes (CONTRACT §3), with ``Authorization: Bearer <token>`` required
 when the proxy has a token:
@@ -61,7 +75,14 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from uapplace.gate import FALLBACK_TARGET, GateClient, GateDecision, new_placement_id, park_409
+from uapplace.gate import (
+    FALLBACK_TARGET,
+    GateClient,
+    GateDecision,
+    TargetSemaphores,
+    new_placement_id,
+    park_409,
+)
 from uapplace.model import iso
 from uapplace.paths import Paths
 
@@ -196,6 +217,8 @@ class GateProxy:
     controller_url: str
     token: str | None = None
     default_upstream: str | None = None
+    single_upstream: str | None = None
+    """Set: every forward goes here, whatever its target (the stock proxy's topology)."""
     refreshes: int = 0
     routes: dict[str, str] = field(default_factory=dict)
     """Model id → upstream endpoint that served it (the cached upstream ids)."""
@@ -203,6 +226,9 @@ class GateProxy:
     """Target → request id → ``{id, client, started_at}``."""
     gate: GateClient | None = None
     http: aiohttp.ClientSession | None = None
+    slots: TargetSemaphores = field(default_factory=lambda: TargetSemaphores(unknown=None))
+    """Per-target concurrency, sized from the controller's rails."""
+    _rails_reads: set[asyncio.Task[None]] = field(default_factory=set)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -219,8 +245,26 @@ class GateProxy:
         self.gate = GateClient(self.controller_url, upstream_ids=self.cached_ids)
         timeout = aiohttp.ClientTimeout(sock_connect=UPSTREAM_CONNECT_S, sock_read=UPSTREAM_READ_S)
         self.http = aiohttp.ClientSession(timeout=timeout)
+        self.read_rails_soon()
+
+    def read_rails_soon(self) -> None:
+        """Re-size the per-target slots from the controller, in the background."""
+        task = asyncio.create_task(self.read_rails())
+        self._rails_reads.add(task)
+        task.add_done_callback(self._rails_reads.discard)
+
+    async def read_rails(self) -> None:
+        """One read of the controller's rails; no answer keeps the sizes there are."""
+        if self.gate is None:
+            return
+        rails = await self.gate.target_rails()
+        if rails is not None:
+            self.slots.resize(rails)
 
     async def _close(self, _: web.Application) -> None:
+        for task in list(self._rails_reads):
+            task.cancel()
+        await asyncio.gather(*self._rails_reads, return_exceptions=True)
         if self.gate is not None:
             await self.gate.close()
         if self.http is not None:
@@ -247,7 +291,8 @@ class GateProxy:
             return admitted
         with self._in_flight(admitted.target_id, request):
             try:
-                return await self._relay(request, admitted.upstream, raw)
+                async with self.slots.slot(admitted.target_id):
+                    return await self._relay(request, admitted.upstream, raw)
             except UpstreamError as err:
                 return error_answer("openai", 502, str(err), "upstream_error")
 
@@ -265,7 +310,8 @@ class GateProxy:
             return admitted
         with self._in_flight(admitted.target_id, request):
             try:
-                completion = await self._complete(admitted.upstream, to_openai(body))
+                async with self.slots.slot(admitted.target_id):
+                    completion = await self._complete(admitted.upstream, to_openai(body))
                 return web.json_response(to_anthropic(body.model, completion))
             except UpstreamError as err:
                 return error_answer("anthropic", 502, str(err), "api_error")
@@ -286,6 +332,8 @@ class GateProxy:
         return Admitted(decision.target_id or FALLBACK_TARGET, upstream)
 
     def _upstream_for(self, model: str, decision: GateDecision) -> str | None:
+        if self.single_upstream is not None:
+            return self.single_upstream.rstrip("/")
         target = decision.target_id or FALLBACK_TARGET
         _, _, endpoint = target.partition(":")
         if endpoint.startswith(("http://", "https://")):
@@ -365,6 +413,7 @@ class GateProxy:
         self.routes.clear()
         if self.gate is not None:
             self.gate.forget_parks()
+        self.read_rails_soon()
         return web.json_response({"ok": True, "cleared": list(REFRESH_CLEARS)})
 
 
@@ -464,10 +513,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--default-upstream", default=None, help="where a fallback forward goes (base URL)"
     )
+    parser.add_argument(
+        "--single-upstream",
+        default=None,
+        metavar="URL",
+        help="send every forward here, target_id only keys slots (the stock UAP proxy's way)",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port}: not a TCP port (0-65535)")
-    proxy = GateProxy(args.controller, paths.proxy_token(), args.default_upstream)
+    for flag, url in (
+        ("--default-upstream", args.default_upstream),
+        ("--single-upstream", args.single_upstream),
+    ):
+        if url is not None and not url.startswith(("http://", "https://")):
+            parser.error(f"{flag} {url!r}: not an http:// or https:// base URL")
+    proxy = GateProxy(
+        args.controller,
+        paths.proxy_token(),
+        args.default_upstream,
+        single_upstream=args.single_upstream,
+    )
     return asyncio.run(_serve(proxy, args.port))
 
 
