@@ -19,6 +19,7 @@ Severities in :func:`validate`:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from uapplace.registry import (
     RegistryLoad,
     UnitName,
     combined,
+    envelope_staleness,
     json_path,
     unit_file_name,
     valid_unit_name,
@@ -227,7 +229,8 @@ def validate(load: RegistryLoad, policy: CapacityPolicy | None) -> list[Finding]
     Errors (exit 1): an ignored local file (each of its problems); ``reserved_mib`` above
     ``total_mib``; an invalid unit name; an affinity naming an undeclared device; a
     measured config with no ``measured_at`` (it silently fails closed), or whose
-    ``measured_on`` is missing or not a declared GPU, or with no ``kv_resident_cells``
+    ``measured_on`` is missing or not a declared device (a GPU, or ``cpu0`` for a
+    CPU-only engine), or with no ``kv_resident_cells``
     (its cost is unknown for every request); ``kv_resident_cells`` or
     ``per_session_cap_cells`` above ``context_pool_cells``; one id (model key or
     advertised id) claimed by two models; a model's ``service`` missing from the
@@ -387,24 +390,32 @@ def _config_rules(check: _Checker, model: Model, config: Config) -> Iterator[Fin
             "request, so it is never placeable",
         )
     yield from _measured_on_rule(check, model, config)
+    yield from _envelope_rule(check, model, config)
     yield from _cell_rules(check, model, config)
     yield from _never_fits_rules(check, model, config)
 
 
+def _envelope_rule(check: _Checker, model: Model, config: Config) -> Iterator[Finding]:
+    """A stale envelope (:func:`uapplace.registry.envelope_staleness`) is a warning: it
+    still bounds the waits, but it may no longer describe this engine."""
+    why = envelope_staleness(config, time.time())
+    if why is not None:
+        yield check.config_finding("warning", model, config, "envelope", why)
+
+
 def _measured_on_rule(check: _Checker, model: Model, config: Config) -> Iterator[Finding]:
+    """``measured_on`` must be a declared device: a GPU, or the host device (``cpu0``) for
+    a CPU-only engine whose footprint is host RAM alone (issue 12's CPU tier)."""
     devices = check.load.registry.devices
-    gpus = ", ".join(d.key for d in check.load.registry.gpus()) or "none"
-    device = devices.get(config.measured_on) if config.measured_on else None
-    if device is not None and device.kind is DeviceKind.GPU:
+    if config.measured_on is not None and config.measured_on in devices:
         return
+    declared = ", ".join(devices) or "none"
     if config.measured_on is None:
         problem = "measured config has no measured_on"
-    elif device is None:
-        problem = f"measured_on {config.measured_on!r} is not a declared device"
     else:
-        problem = f"measured_on {config.measured_on!r} is a {device.kind.value}, not a GPU"
+        problem = f"measured_on {config.measured_on!r} is not a declared device"
     yield check.config_finding(
-        "error", model, config, "measured_on", f"{problem} (declared GPUs: {gpus})"
+        "error", model, config, "measured_on", f"{problem} (declared devices: {declared})"
     )
 
 

@@ -400,9 +400,12 @@ def _option_line(index: int, option: dict[str, Any], recommended: int | None) ->
     kind = option["kind"]
     target = f"{option['model']}/{option['config']} on {option['device']}"
     line = f"  {index}. {kind} {target}, costs {_mib(option.get('cost_mib'))}"
-    if kind == "displace":
-        stops = ", ".join(f"{v['model']}/{v['config']}" for v in option.get("victims", []))
-        line += f"; stops {stops}, frees {_mib(option.get('frees_mib'))}"
+    victims = option.get("victims", [])
+    if victims:
+        acts = "; ".join(_victim_action(v) for v in victims)
+        line += f"; {acts}, frees {_mib(option.get('frees_mib'))}"
+    if option.get("expected_s") is not None:
+        line += f"; swap ≈ {option['expected_s']:g} s"
     if index == recommended:
         line += "  (recommended)"
     return line
@@ -439,7 +442,38 @@ def pending(as_json: JsonFlag = False) -> None:
             out.print("  no options (nothing feasible, or still being computed)")
         for index, option in enumerate(options, start=1):
             out.print(_option_line(index, option, entry.get("recommended")), markup=False)
+            for victim in option.get("victims", []):
+                out.print(_victim_line(victim), markup=False)
     out.print("Apply one with `uapplace apply ID OPTION` (it shows the impact first).")
+
+
+def _victim_action(victim: dict[str, Any]) -> str:
+    """``stops coder/q4, reload ≈ 38 s`` or ``pauses coder/q4, wake ≈ 1.5 s`` (issue 12)."""
+    pause = victim.get("action") == "pause"
+    verb, again = ("pauses", "wake") if pause else ("stops", "reload")
+    seconds = victim.get("serve_again_s")
+    when = f"{seconds:g} s" if isinstance(seconds, int | float) else "unmeasured"
+    return f"{verb} {victim['model']}/{victim['config']}, {again} ≈ {when}"
+
+
+def _in_flight_text(victim: dict[str, Any]) -> str:
+    """``in_flight`` as read at the time of the call; ``null`` is the proxy not answering."""
+    return {True: "yes", False: "no", None: "unknown (counts as busy)"}[victim.get("in_flight")]
+
+
+def _holders_text(victim: dict[str, Any]) -> str:
+    return ", ".join(f"{h['client']} ({h['kind']})" for h in victim.get("holders", [])) or "none"
+
+
+def _victim_line(victim: dict[str, Any]) -> str:
+    """One victim of a displace option under ``pending``: live holders and in-flight work."""
+    line = (
+        f"     {victim['model']}/{victim['config']} ({victim.get('state', '')}): "
+        f"in flight {_in_flight_text(victim)}; holders {_holders_text(victim)}"
+    )
+    if victim.get("alternative"):
+        line += f"; {victim['alternative']}"
+    return line
 
 
 @app.command()
@@ -458,6 +492,9 @@ def preview(
     out.print(f"{plan['model']}: {plan['reason']}", markup=False)
     for index, option in enumerate(plan.get("options", []), start=1):
         out.print(_option_line(index, option, 1), markup=False)
+        for victim in option.get("victims", []):
+            if victim.get("alternative"):
+                out.print(f"     {victim['model']}: {victim['alternative']}", markup=False)
     for line in plan.get("infeasible", []):
         out.print(f"  infeasible: {line}", markup=False)
 
@@ -467,20 +504,26 @@ def preview(
 
 def _victims_table(victims: list[dict[str, Any]]) -> Table:
     """The impact of stopping ``victims``: who holds them, work in flight, MiB, consequence."""
-    table = Table(title="It stops", title_justify="left")
-    for column in ("victim", "device", "state", "holders", "in flight", "frees", "consequence"):
+    table = Table(title="It stops or pauses", title_justify="left")
+    for column in (
+        "victim",
+        "action",
+        "device",
+        "state",
+        "holders",
+        "in flight",
+        "frees",
+        "consequence",
+    ):
         table.add_column(column)
     for victim in victims:
-        holders = ", ".join(f"{h['client']} ({h['kind']})" for h in victim.get("holders", []))
-        in_flight = {True: "yes", False: "no", None: "unknown (counts as busy)"}[
-            victim.get("in_flight")
-        ]
         table.add_row(
             f"{victim['model']}/{victim['config']}",
+            str(victim.get("action", "stop")),
             str(victim.get("device", "")),
             str(victim.get("state", "")),
-            holders or "none",
-            in_flight,
+            _holders_text(victim),
+            _in_flight_text(victim),
             _mib(victim.get("frees_mib")),
             str(victim.get("consequence", "")),
         )
@@ -784,14 +827,80 @@ def units(
 def measure(
     model: Annotated[str, typer.Argument(help="Model key.")],
     config: Annotated[str, typer.Argument(help="Config key (default: the resident one).")] = "",
+    envelope: Annotated[
+        bool,
+        typer.Option(
+            "--envelope",
+            help="Measure the enforcement envelope instead: takes the backend down (needs --yes).",
+        ),
+    ] = False,
+    yes: Annotated[
+        bool, typer.Option("--yes", help="Consent to taking the backend down (--envelope).")
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Record MODEL's measured footprint from its live engine into the local registry."""
+    """Record MODEL's measured footprint from its live engine into the local registry.
+
+    With --envelope: take the backend down and up to time it (stop, memory back, cold
+    and warm start, sleep and wake where the config has a pause lever); needs --yes."""
+    if envelope:
+        _measure_envelope(model, config, yes, as_json)
+        return
     result: dict[str, Any] = _call(lambda c: c.measure(model, config))
     if as_json:
         _print_json(result)
     else:
         out.print(json.dumps(result, indent=2), markup=False)
+
+
+def _envelope_steps(model: str, config: str) -> list[str]:
+    """What ``measure --envelope`` will do, from the registry files (no daemon needed)."""
+    from uapplace.registry import ConfigFileError, load_registry
+
+    paths = Paths.from_env()
+    try:
+        registry = load_registry(paths.repo_registry, paths.local_registry).registry
+    except ConfigFileError:
+        registry = None
+    resolved = registry.resolve(model) if registry is not None else None
+    found = resolved[0] if resolved else None
+    chosen = found.configs.get(config) if found is not None and config else None
+    unit = (found.unit_for(chosen) if chosen else found.unit) if found else None
+    what = f"{model}/{config}" if config else model
+    steps = [
+        f"stop {unit or 'its unit'}: {what} goes down, requests for it wait or fail",
+        "wait until the device probe shows its memory back",
+        "start it (cold start) and wait until it is healthy and serves its id",
+        "stop it and start it again (warm start)",
+    ]
+    if chosen is not None and chosen.sleep_level is not None:
+        steps.append(f"sleep it (vLLM level {chosen.sleep_level}), read the memory freed, wake it")
+    elif chosen is None:
+        steps.append("if the config has a pause lever: sleep it, read the memory freed, wake it")
+    steps.append("leave it running and record the envelope in the machine-local registry")
+    return steps
+
+
+def _measure_envelope(model: str, config: str, yes: bool, as_json: bool) -> None:
+    if not yes:
+        err.print(
+            "measure --envelope takes the backend down. It will:\n"
+            + "\n".join(
+                f"  {n}. {step}" for n, step in enumerate(_envelope_steps(model, config), 1)
+            )
+            + "\nRun again with --yes to do it.",
+            markup=False,
+        )
+        raise typer.Exit(EXIT_REFUSED)
+    result: dict[str, Any] = _call(lambda c: c.measure_envelope(model, config))
+    if as_json:
+        _print_json(result)
+        return
+    envelope = result.get("envelope", {})
+    out.print(f"{result.get('model')}/{result.get('config')} ({result.get('unit')}):", markup=False)
+    for name, value in envelope.items():
+        out.print(f"  {name}: {value}", markup=False)
+    out.print(f"written to {result.get('written')}", markup=False)
 
 
 # --------------------------------------------------------------------------- validate
@@ -895,6 +1004,9 @@ def validate(as_json: JsonFlag = False) -> None:
         ):
             table.add_row(entry, source, ", ".join(fields), file, counts)
         out.print(table)
+        for row in report.get("provenance", []):
+            if row.get("envelope"):
+                out.print(f"envelope {row['entry']}: {row['envelope']}", markup=False)
         out.print(f"{report['errors']} error(s), {report['warnings']} warning(s)", markup=False)
     if not report["ok"]:
         raise typer.Exit(EXIT_REFUSED)

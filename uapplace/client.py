@@ -164,6 +164,9 @@ class PlacementClient:
     async def measure(self, model: str, config: str) -> Any:
         return await self._json("Measure", "ss", [model, config])
 
+    async def measure_envelope(self, model: str, config: str) -> Any:
+        return await self._json("MeasureEnvelope", "ss", [model, config])
+
     async def validate(self) -> Any:
         return await self._json("Validate")
 

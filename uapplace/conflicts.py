@@ -33,7 +33,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from uapplace.model import Config, Device, DeviceKind, Model, Registry, cost_mib
+from uapplace.model import (
+    EXECUTABLE_LEVERS,
+    Config,
+    Device,
+    DeviceKind,
+    Model,
+    Registry,
+    cost_mib,
+)
 
 EPSILON_MIB = 1e-6
 """Float noise tolerated when comparing a cost with a budget (cost math makes fractions)."""
@@ -70,10 +78,15 @@ def fits(device: Device, costs: Iterable[float]) -> bool:
 
 
 def candidate_devices(registry: Registry, model: Model) -> tuple[str, ...]:
-    """The devices a model may load on: its ``affinity_devices``, else every GPU."""
+    """The devices a model may load on: its ``affinity_devices``, else every GPU, plus the
+    host device (``cpu0``) when one of its configs was measured there (a CPU-only engine,
+    placed against host RAM alone; issue 12)."""
     if model.affinity_devices:
         return model.affinity_devices
-    return tuple(d.key for d in registry.gpus())
+    gpus = tuple(d.key for d in registry.gpus())
+    host = registry.host()
+    on_host = host is not None and any(c.measured_on == host.key for c in model.configs.values())
+    return (*gpus, host.key) if on_host and host is not None else gpus
 
 
 def floor_cost_mib(config: Config) -> float | None:
@@ -83,6 +96,22 @@ def floor_cost_mib(config: Config) -> float | None:
     request: the whole resident KV pool is already paid for, ``resident_gpu_mib``.
     """
     return cost_mib(config, max(1, config.kv_resident_cells or 1))
+
+
+def paused_cost_mib(config: Config) -> float | None:
+    """What a config holds on its device while paused (issue 12), ``None`` when it cannot
+    pause: a unit whose engine can sleep in place stays resident (its unit active) with
+    only this much, so it is never in a ``Conflicts=`` edge that only its awake footprint
+    would draw: systemd would otherwise stop a paused engine the moment the unit that
+    displaced it starts. The residual is the measured ``resident_gpu_mib −
+    sleep_freed_mib`` where the envelope has it, else 0 (fewer edges is the safe side:
+    without an edge the planner asks for consent, with one systemd asks no one)."""
+    if config.pause_lever not in EXECUTABLE_LEVERS or config.resident_gpu_mib is None:
+        return None
+    freed = config.envelope.sleep_freed_mib if config.envelope is not None else None
+    if freed is None:
+        return 0.0
+    return max(0.0, config.resident_gpu_mib - freed)
 
 
 @dataclass(frozen=True)
@@ -122,7 +151,11 @@ def _config_placements(
     floor = floor_cost_mib(config) if config.is_measured else None
     home = config.measured_on
     if floor is not None and home is not None and home in registry.devices:
-        return [Placement(unit, model.key, config.key, home, floor)]
+        found = [Placement(unit, model.key, config.key, home, floor)]
+        paused = paused_cost_mib(config)
+        if paused is not None:
+            found.append(Placement(unit, model.key, config.key, home, paused))
+        return found
     return [
         Placement(unit, model.key, config.key, device, None)
         for device in candidate_devices(registry, model)

@@ -62,6 +62,7 @@ from uapplace.model import (
     DeviceReading,
     Holder,
     Model,
+    Option,
     ParkReason,
     PendingEntry,
     Plan,
@@ -71,7 +72,7 @@ from uapplace.model import (
     iso,
 )
 from uapplace.paths import Paths
-from uapplace.planner import PlanInput, plan, plan_unload
+from uapplace.planner import PlanInput, plan, plan_unload, victim_of
 from uapplace.rails import RailsCache
 from uapplace.registry import (
     ConfigFileError,
@@ -218,6 +219,8 @@ class Enforcement(Protocol):
 
 class Measurer(Protocol):
     async def measure(self, model: str, config: str) -> dict[str, Any]: ...
+
+    async def measure_envelope(self, model: str, config: str) -> dict[str, Any]: ...
 
 
 class UnitWriter(Protocol):
@@ -445,6 +448,12 @@ class Controller:
         self._planners = 0
         self._accepting = True
         self._replan_wanted = asyncio.Event()
+        self._residents_generation = 0
+        """Bumped by every change a plan depends on besides readings (residents,
+        holds): a plan that started under an older value is stale."""
+        self._replanned_generation = -1
+        """``_residents_generation`` as the last finished re-plan found it."""
+        self._replan_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ construction
 
@@ -637,6 +646,7 @@ class Controller:
         """Attach options to a new park, persist it, tell the notifier."""
         if self.admission.get(entry.id) is None:
             return  # already resolved, or pushed out by the pending caps in a flood
+        planned_against = self._residents_generation
         inp, _inflight_clients = await self.plan_input()
         found = await asyncio.to_thread(plan, inp, entry.requested_model, entry.cells)
         current = self.admission.get(entry.id)
@@ -645,6 +655,11 @@ class Controller:
         updated = replace(current, options=found.options)
         self.admission.replace(updated)
         self.mark_dirty()
+        if self._residents_generation != planned_against:
+            # Residents or holds changed while we planned (a swap under way): the
+            # re-plan they asked for may have finished before this write, which
+            # would leave these stale options standing. Ask for another.
+            self.request_replan()
         if self.auto_runner is not None:
             reason = await self.auto_runner.schedule(updated, found)
             if reason is ParkReason.AUTO_LOADING:
@@ -660,18 +675,33 @@ class Controller:
         Options are computed once at park time; after a restart, a crash repair or
         a unit stopped by hand they name victims and free memory that no longer
         exist, and ``Apply`` would answer ``Drifted`` until the entry expired.
-        One probe for all entries; entries resolved meanwhile are skipped.
+        One probe for all entries; entries resolved meanwhile are skipped. One
+        re-plan at a time (the re-planner and ``ListPending`` both ask), so a
+        later one's options are never overwritten by an earlier one's.
         """
-        entries = self.pending_entries()
-        if not entries:
-            return
-        inp, _clients = await self.plan_input()
-        for entry in entries:
-            found = await asyncio.to_thread(plan, inp, entry.requested_model, entry.cells)
-            current = self.admission.get(entry.id)
-            if current is not None and current.options != found.options:
-                self.admission.replace(replace(current, options=found.options))
-        self.mark_dirty()
+        async with self._replan_lock:
+            generation = self._residents_generation
+            entries = self.pending_entries()
+            if entries:
+                inp, _clients = await self.plan_input()
+                for entry in entries:
+                    found = await asyncio.to_thread(plan, inp, entry.requested_model, entry.cells)
+                    current = self.admission.get(entry.id)
+                    if current is not None and current.options != found.options:
+                        self.admission.replace(replace(current, options=found.options))
+                self.mark_dirty()
+            self._replanned_generation = generation
+
+    async def _replan_if_stale(self) -> None:
+        """Re-plan now if residents or holds changed since the last re-plan started.
+
+        The re-planner runs ``REPLAN_DEBOUNCE_S`` after a change; a ``ListPending``
+        in that window (``uapplace pending`` right after a swap) would otherwise show
+        options planned against the residents before it. Nothing changed (the usual
+        case) costs one comparison.
+        """
+        if self._replanned_generation != self._residents_generation:
+            await self.replan_pending()
 
     # ------------------------------------------------------------------ reads
 
@@ -688,14 +718,6 @@ class Controller:
 
     def pending_entries(self) -> list[PendingEntry]:
         return sorted(self.admission.pending.values(), key=lambda e: e.created_at)
-
-    def pending_json(self) -> dict[str, Any]:
-        rows = []
-        for entry in self.pending_entries():
-            row = pending_to_json(entry)
-            row["recommended"] = 1 if entry.options else None
-            rows.append(row)
-        return {"pending": rows}
 
     async def state_json(self) -> dict[str, Any]:
         """The ledger document as it is now (fresh probe, live holders) plus daemon facts."""
@@ -734,13 +756,7 @@ class Controller:
 
         Also returns the clients with work in flight on a resident.
         """
-        inflight: Mapping[str, Sequence[Holder]] | None = None
-        if self.proxy is not None:
-            try:
-                inflight = await self.proxy.inflight()
-            except Exception as err:  # unknown counts as busy; never guess idle
-                log.warning("proxy in-flight list unavailable: %s", err)
-                inflight = None
+        inflight = await self.live_inflight()
         readings = await asyncio.to_thread(self.probe.read)
         residents = self.residents_with_holders(inflight)
         clients = sorted({h.client for r in residents for h in r.holders if h.kind == "inflight"})
@@ -748,6 +764,42 @@ class Controller:
             self.load.registry, residents, readings, inflight_known=inflight is not None
         )
         return inp, clients
+
+    async def live_inflight(self) -> Mapping[str, Sequence[Holder]] | None:
+        """The proxy's in-flight list now (its client's timeout bounds the wait);
+        ``None`` when there is no proxy answer: unknown, which counts as busy."""
+        if self.proxy is None:
+            return None
+        try:
+            return await self.proxy.inflight()
+        except Exception as err:  # unknown counts as busy; never guess idle
+            log.warning("proxy in-flight list unavailable: %s", err)
+            return None
+
+    async def pending_live_json(self) -> dict[str, Any]:
+        """``ListPending``: the stored options with their victims' holders, in-flight
+        work and consequence as they are at the time of the call (issue 13).
+
+        Options are planned at park time and re-planned when the residents or the
+        holds change; who is using a victim changes far more often (every request),
+        so it is read live here (the proxy's list and the bus holds) and overlaid
+        onto each victim instead of re-running the planner for every entry on each
+        call. The option set and its signatures stay what was planned, so an
+        ``Apply`` still approves exactly what was shown; only when the residents
+        or holds changed since the last re-plan is the re-plan done first.
+        """
+        await self._replan_if_stale()
+        inflight = await self.live_inflight()
+        live = {(r.model, r.config, r.device): r for r in self.residents_with_holders(inflight)}
+        registry = self.load.registry
+        known = inflight is not None
+        rows = []
+        for entry in self.pending_entries():
+            options = tuple(_with_live_victims(o, live, registry, known) for o in entry.options)
+            row = pending_to_json(replace(entry, options=options))
+            row["recommended"] = 1 if options else None
+            rows.append(row)
+        return {"pending": rows}
 
     def residents_with_holders(
         self, inflight: Mapping[str, Sequence[Holder]] | None
@@ -980,6 +1032,16 @@ class Controller:
             raise self._missing("Measure")
         return await self.measurer.measure(found.key, config)
 
+    async def measure_envelope(self, model: str, config: str) -> dict[str, Any]:
+        """``uapplace measure --envelope``: takes the backend down and up (issue 12)."""
+        found = self.model_named(model)
+        if config and config not in found.configs:
+            known = ", ".join(found.configs) or "none"
+            raise NotFound(f"model {found.key} has no config {config!r} (configs: {known})")
+        if self.measurer is None:
+            raise self._missing("MeasureEnvelope")
+        return await self.measurer.measure_envelope(found.key, config)
+
     async def write_units(self) -> list[str]:
         if self.unit_writer is None:
             raise self._missing("WriteUnits")
@@ -1040,6 +1102,7 @@ class Controller:
         self.holds[cookie] = BusHold(cookie, key, reason, app_id, sender, self._clock())
         log.info("hold %d on %s by %s (%s): %s", cookie, key, app_id or "-", sender, reason)
         self.mark_dirty()
+        self.request_replan()  # a held resident is never a victim: options change
         if sender and self.peer_alive is not None and not await self.peer_alive(sender):
             self.drop_holds_of(sender)  # it disconnected before we could watch it
         return cookie
@@ -1062,6 +1125,7 @@ class Controller:
         del self.holds[cookie]
         log.info("hold %d on %s released by %s", cookie, held.model, sender or "-")
         self.mark_dirty()
+        self.request_replan()
 
     def _hold(self, cookie: int) -> BusHold:
         held = self.holds.get(cookie)
@@ -1080,6 +1144,7 @@ class Controller:
             log.info("hold %d on %s ended: %s left the bus", cookie, held.model, sender)
         if gone:
             self.mark_dirty()
+            self.request_replan()
 
     # ------------------------------------------------------------------ residents
 
@@ -1133,7 +1198,10 @@ class Controller:
     def request_replan(self) -> None:
         """Ask for :meth:`replan_pending` soon; a burst of resident changes (a swap,
         a start-up reconcile) coalesces into one re-plan ``REPLAN_DEBOUNCE_S`` after
-        the first request (the replanner task runs from ``start_background``)."""
+        the first request (the replanner task runs from ``start_background``).
+        A change during a re-plan asks again, so the last re-plan always starts
+        after the last change."""
+        self._residents_generation += 1
         self._replan_wanted.set()
 
     async def _replan_behind(self) -> None:
@@ -1316,6 +1384,40 @@ def _read_policy(paths: Paths) -> tuple[CapacityPolicy | None, ConfigFileError |
     except ConfigFileError as err:
         log.warning("capacity policy not used: %s", err)
         return None, err
+
+
+def _with_live_victims(
+    option: Option,
+    live: Mapping[tuple[str, str, str], Resident],
+    registry: Registry,
+    inflight_known: bool,
+) -> Option:
+    """``option`` with each victim's holders, in-flight flag, state and consequence
+    taken from ``live`` (residents carrying the holders read now).
+
+    A victim that is no longer resident keeps what was planned: the resident
+    change that removed it has already asked for a re-plan, which replaces the
+    option within ``REPLAN_DEBOUNCE_S``.
+    """
+    if not option.victims:
+        return option
+    victims = []
+    for victim in option.victims:
+        resident = live.get((victim.model, victim.config, victim.device))
+        if resident is None:
+            victims.append(victim)
+            continue
+        now = victim_of(registry, resident, inflight_known)
+        victims.append(
+            replace(
+                victim,
+                holders=now.holders,
+                in_flight=now.in_flight,
+                state=now.state,
+                consequence=now.consequence,
+            )
+        )
+    return replace(option, victims=tuple(victims))
 
 
 def _no_pending(placement_id: str) -> str:

@@ -101,6 +101,12 @@ class SandboxSpec:
     """An outside proxy (its ``/internal/placement/*`` routes) instead of the built-in fake."""
     proxy_token: str | None = None
     """The token for ``proxy_url`` (``PROXY_AUTH_TOKEN``); the demo's own when ``None``."""
+    pause_lever: str | None = "vllm-sleep-1"
+    """Every engine runs the fake vLLM sleep API (``--sleep-mode``) and every config
+    declares this lever (issue 12), so a switch can pause instead of stop; ``None``:
+    plain engines that can only be stopped."""
+    wake_secs: float = 0.3
+    """How long each fake engine takes to wake (``--wake-delay``)."""
 
     @property
     def token(self) -> str:
@@ -324,6 +330,8 @@ class Sandbox:
             "--kv",
             "q8_0",
         ]
+        if self.spec.pause_lever is not None:
+            argv += ["--sleep-mode", "--wake-delay", f"{self.spec.wake_secs:g}"]
         return (
             f"[Unit]\nDescription=uapplace demo engine {model.key} (fake llama.cpp)\n\n"
             f"[Service]\nType=exec\nExecStart={shlex.join(argv)}\n"
@@ -451,6 +459,9 @@ def registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[str, Any]:
     """The demo's registry: one simulated GPU, the host, and each model measured on gpu0."""
     host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
     proxy = {"single_upstream": box.single_upstream} if box.single_upstream else None
+    # Behind a single upstream one engine at a time owns the port: a paused one would
+    # keep it, so the planner always stops there; no lever is declared.
+    lever = box.spec.pause_lever if not box.single_upstream else None
     return {
         "version": 1,
         **({"proxy": proxy} if proxy else {}),
@@ -487,6 +498,7 @@ def registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[str, Any]:
                             "uuid": sim_uuid(0),
                             "total_mib": DEVICE_MIB,
                         },
+                        **({"pause_lever": lever} if lever else {}),
                     }
                 },
             }
@@ -598,7 +610,11 @@ def options_table(entry: Mapping[str, Any]) -> Table:
     for index, option in enumerate(entry.get("options", []), start=1):
         victims = option.get("victims") or []
         impact = (
-            "; ".join(f"stops {v['model']}/{v['config']}: {v['consequence']}" for v in victims)
+            "; ".join(
+                f"{'pauses' if v.get('action') == 'pause' else 'stops'} "
+                f"{v['model']}/{v['config']}: {v['consequence']}"
+                for v in victims
+            )
             or "nothing is stopped"
         )
         table.add_row(
@@ -684,17 +700,19 @@ async def walkthrough(box: Sandbox, console: Console) -> None:
         )
         entry = await _pending_with_options(bus, placement_id)
         console.print(options_table(entry))
-        option = entry["options"][0]
+        index, option = form_option(entry, "stop")
         signature = list(option.get("signature", []))
 
         say.step(
-            f"The operator says yes: `uapplace apply {placement_id} 1`",
+            f"The operator says yes: `uapplace apply {placement_id} {index}`",
             "The approved victim set travels with the call; if it changed, nothing happens.",
         )
         printer = StepPrinter(say)
         bus.bus.add_message_handler(printer)
         await _add_match(bus, f"type='signal',interface='{INTERFACE}',member='EnforcementStep'")
-        result = await bus.apply(placement_id, 1, signature)
+        started = time.perf_counter()
+        result = await bus.apply(placement_id, index, signature)
+        stop_start_s = time.perf_counter() - started
         await asyncio.sleep(0.1)  # the last signals may trail the reply
         bus.bus.remove_message_handler(printer)
         if not result.get("ok"):
@@ -710,8 +728,71 @@ async def walkthrough(box: Sandbox, console: Console) -> None:
         say.step("The machine now", "The probe agrees with the ledger.")
         for table in state_tables(await bus.get_state(), box.sim):
             console.print(table)
+        if box.spec.pause_lever is not None and box.single_upstream is None:
+            await pause_walkthrough(box, bus, say, stop_start_s)
     finally:
         bus.disconnect()
+
+
+def form_option(entry: Mapping[str, Any], form: str) -> tuple[int, dict[str, Any]]:
+    """The 1-based index and the option whose victims are all stopped (``form="stop"``)
+    or all paused (``"pause"``); the first option when none has that form."""
+    options: list[dict[str, Any]] = list(entry.get("options", []))
+    for index, option in enumerate(options, start=1):
+        victims = option.get("victims") or []
+        if victims and all(v.get("action", "stop") == form for v in victims):
+            return index, option
+    if not options:
+        raise DemoError(f"no option for {entry.get('requested_model')}")
+    return 1, options[0]
+
+
+async def timed_switch(
+    bus: PlacementClient, model: str, form: str
+) -> tuple[float, dict[str, Any], dict[str, Any]]:
+    """Park a request for ``model``, apply the option of ``form``: (seconds, option, result)."""
+    parked = await bus.admit(model, CLIENT, "", 0)
+    if parked.get("decision") != "park":
+        raise DemoError(f"expected a park for {model}, got {parked}")
+    entry = await _pending_with_options(bus, str(parked["placement_id"]))
+    index, option = form_option(entry, form)
+    started = time.perf_counter()
+    result = await bus.apply(str(parked["placement_id"]), index, list(option["signature"]))
+    took = time.perf_counter() - started
+    if not result.get("ok"):
+        raise DemoError(f"the {form} switch to {model} failed: {result.get('error')}")
+    return took, option, result
+
+
+async def pause_walkthrough(
+    box: Sandbox, bus: PlacementClient, say: Narrator, stop_start_s: float
+) -> None:
+    """Issue 12: one switch by pause and wake next to the one by stop and start."""
+    say.step(
+        "Pause instead of stop",
+        f"Both engines declare vLLM's sleep lever (pause_lever {box.spec.pause_lever}): a "
+        "switch may put the resident to sleep (weights to host RAM, the VRAM verified free "
+        "by the probe) and wake it later instead of reloading it. The preview offers both "
+        "forms; the approval signature names which (`model/config@pause`).",
+    )
+    took_cold, option, _ = await timed_switch(bus, CODER.key, "pause")
+    victims = ", ".join(f"{v['model']} ({v['consequence']})" for v in option["victims"])
+    say.ok(f"{CODER.key} started, pausing {victims}: {took_cold:.2f} s")
+    took_wake, option, result = await timed_switch(bus, WRITER.key, "pause")
+    steps = " → ".join(step["name"] for step in result["steps"])
+    say.ok(f"{WRITER.key} woken, pausing {CODER.key}: {took_wake:.2f} s ({steps})")
+    table = Table(title="the same switch, two ways", title_justify="left")
+    for column in ("switch", "how", "seconds"):
+        table.add_column(column)
+    table.add_row(f"→ {WRITER.key}", "stop coder-7b, start writer-13b", f"{stop_start_s:.2f}")
+    table.add_row(f"→ {WRITER.key}", "pause coder-7b, wake writer-13b", f"{took_wake:.2f}")
+    say.console.print(table)
+    say.note(
+        f"the fake engines take {box.spec.load_secs:g} s to load and "
+        f"{box.spec.wake_secs:g} s to wake; real ones: `bench/bench_swap.py --pause`"
+    )
+    for table in state_tables(await bus.get_state(), box.sim):
+        say.console.print(table)
 
 
 async def _pending_with_options(bus: PlacementClient, placement_id: str) -> dict[str, Any]:

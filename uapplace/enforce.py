@@ -76,25 +76,32 @@ planned switch on the real machine measures the envelope. Override any of them
 in ``$UAP_HOME/enforcement-timeouts.json`` (:meth:`Timeouts.load`). The
 verify-up wait comes from facts where the registry has them
 (:meth:`Timeouts.verify_up_bound`): a config's measured start time beats the
-operator's per-config bound, which beats the global value.
+operator's per-config bound, which beats the global value. Once ``uapplace measure
+--envelope`` has measured a config's envelope (:class:`~uapplace.model.Envelope`),
+drain, verify-free and verify-up derive from it: a documented multiple of the
+measured figure plus a floor (:meth:`Timeouts.drain_bound`,
+:meth:`Timeouts.verify_free_bound`, :meth:`Timeouts.verify_up_bound`,
+:meth:`Timeouts.wake_bound`); each step's detail names the bound it used and why.
+Without an envelope, the bounded defaults.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import stat
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from uapplace import verify
+from uapplace import engines, verify
 from uapplace.alerts import AlertKind, Severity
 from uapplace.capacity import ServicePolicy, refusing_policy
 from uapplace.counters import DaemonCounters, run_outcome
@@ -109,6 +116,7 @@ from uapplace.model import (
     ConfigStatus,
     Device,
     DeviceReading,
+    Envelope,
     Holder,
     Model,
     Option,
@@ -121,7 +129,7 @@ from uapplace.model import (
     ResidentState,
     iso,
 )
-from uapplace.planner import PlanInput, plan
+from uapplace.planner import PlanInput, config_of, pause_figures, plan
 from uapplace.recovery import ControllerRecoveryHost, recover
 from uapplace.registry import read_json, unit_file_name, valid_unit_name
 from uapplace.topology import verify_endpoint
@@ -148,6 +156,12 @@ ROLLBACK_STOP = "rollback-stop"
 ROLLBACK_START = "rollback-start"
 ROLLBACK_VERIFY = "rollback-verify"
 ROLLBACK_CLEAR = "rollback-clear"
+PAUSE = "pause"
+"""A victim's engine put to sleep (vLLM ``POST /sleep``) instead of its unit stopped."""
+WAKE = "wake"
+"""A paused resident's engine woken (``POST /wake_up``) instead of a unit started."""
+ROLLBACK_SLEEP = "rollback-sleep"
+ROLLBACK_WAKE = "rollback-wake"
 UNEXPECTED = "unexpected-error"
 """The step recorded when something raised mid-run outside any step's own checks."""
 
@@ -198,9 +212,23 @@ class Timeouts:
     measured_start_multiple: float = 3.0
     measured_start_margin_s: float = 5.0
     measured_start_floor_s: float = 10.0
-    """With a measured cold start ``start_s``, verify-up waits
-    ``max(floor, multiple × start_s + margin)``: three times what this machine took, plus
-    a margin for a cold page cache, never under 10 s (a 1 s engine gets 10 s)."""
+    """With a measured cold start (the envelope's ``cold_start_s``, else ``start_s``),
+    verify-up waits ``max(floor, multiple × start + margin)``: three times what this
+    machine took, plus a margin for a cold page cache, never under 10 s (a 1 s engine
+    gets 10 s). A waking victim's bound is the same formula over its measured ``wake_s``."""
+    verify_free_multiple: float = 3.0
+    verify_free_margin_s: float = 2.0
+    verify_free_floor_s: float = 5.0
+    """With every victim's envelope, verify-free waits ``max(floor, multiple × release +
+    margin)``, ``release`` the longest victim's ``free_s − stop_s`` (how long its memory
+    took to show in the probe after the stop job ended): a driver that frees lazily is
+    waited on, an orphan is named after seconds, not after the blind 15 s."""
+    drain_multiple: float = 2.0
+    drain_floor_s: float = 30.0
+    """With the envelopes of the victims and of the config that starts, drain waits
+    ``max(floor, multiple × switch)``, ``switch`` = Σ victims' ``stop_s`` + the new
+    config's cold start: what the operator already accepted to wait for the switch. Past
+    twice that, waiting on in-flight work costs more than the switch itself; roll back."""
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -234,9 +262,10 @@ class Timeouts:
 
         Precedence (most specific fact first):
 
-        1. the config's measured cold start ``start_s`` (counted only when its figures
-           count on this machine, ``Config.untrusted`` empty):
-           ``max(measured_start_floor_s, measured_start_multiple × start_s +
+        1. the config's measured envelope ``cold_start_s``, then its measured cold start
+           ``start_s`` (counted only when its figures count on this machine,
+           ``Config.untrusted`` empty):
+           ``max(measured_start_floor_s, measured_start_multiple × start +
            measured_start_margin_s)``;
         2. the config's ``start_timeout_s``, the operator's explicit bound;
         3. ``fallback``: :attr:`verify_up_s` for a new resident, :attr:`rollback_up_s`
@@ -246,6 +275,9 @@ class Timeouts:
 
         ``label`` (``model/config``) only names the config in :attr:`UpBound.source`.
         """
+        envelope = _counted_envelope(config)
+        if envelope is not None:
+            return self._measured(label, "envelope cold start", envelope.cold_start_s)
         if config is not None and config.start_s is not None and not config.untrusted:
             derived = self.measured_start_multiple * config.start_s + self.measured_start_margin_s
             seconds = max(self.measured_start_floor_s, derived)
@@ -258,6 +290,82 @@ class Timeouts:
         if config is not None and config.start_timeout_s is not None:
             return UpBound(config.start_timeout_s, f"start_timeout_s of {label}")
         return UpBound(fallback, f"default: {label} records no start_s or start_timeout_s")
+
+    def _measured(self, label: str, what: str, seconds: float) -> UpBound:
+        derived = self.measured_start_multiple * seconds + self.measured_start_margin_s
+        bound = max(self.measured_start_floor_s, derived)
+        taken = f"{seconds:g}s"
+        source = (
+            f"{label} {what} {taken}: max({self.measured_start_floor_s:g}s, "
+            f"{self.measured_start_multiple:g} × {taken} + {self.measured_start_margin_s:g}s)"
+        )
+        return UpBound(bound, source)
+
+    def wake_bound(self, label: str, config: Config | None, fallback: float) -> UpBound:
+        """How long a paused engine of ``config`` may take to wake and serve again: the
+        verify-up formula over its measured ``wake_s``; ``fallback`` without one."""
+        envelope = _counted_envelope(config)
+        if envelope is not None and envelope.wake_s is not None:
+            return self._measured(label, "measured wake", envelope.wake_s)
+        return UpBound(fallback, f"default: {label} has no measured wake_s")
+
+    def verify_free_bound(self, victims: Sequence[tuple[str, Config | None]]) -> UpBound:
+        """How long freed memory may take to show in the probe after the stops
+        (:attr:`verify_free_multiple`); :attr:`verify_free_s` unless every victim has an
+        envelope that counts here."""
+        if not victims:
+            return UpBound(self.verify_free_s, "default: no victims")
+        releases: list[tuple[float, str]] = []
+        for label, config in victims:
+            envelope = _counted_envelope(config)
+            if envelope is None:
+                return UpBound(self.verify_free_s, f"default: {label} has no measured envelope")
+            releases.append((max(0.0, envelope.free_s - envelope.stop_s), label))
+        release, label = max(releases)
+        derived = self.verify_free_multiple * release + self.verify_free_margin_s
+        source = (
+            f"{label} memory back {release:g}s after its stop: max("
+            f"{self.verify_free_floor_s:g}s, {self.verify_free_multiple:g} × {release:g}s + "
+            f"{self.verify_free_margin_s:g}s)"
+        )
+        return UpBound(max(self.verify_free_floor_s, derived), source)
+
+    def drain_bound(
+        self,
+        starting: tuple[str, Config | None] | None,
+        victims: Sequence[tuple[str, Config | None]],
+    ) -> UpBound:
+        """How long to wait for the victims' in-flight work (:attr:`drain_multiple`);
+        :attr:`drain_s` unless the victims and the config that starts (``starting``,
+        ``None`` for an unload) all have envelopes that count here."""
+        switch = 0.0
+        parts: list[str] = []
+        for label, config in victims:
+            envelope = _counted_envelope(config)
+            if envelope is None:
+                return UpBound(self.drain_s, f"default: {label} has no measured envelope")
+            switch += envelope.stop_s
+            parts.append(f"stop {label} {envelope.stop_s:g}s")
+        if starting is not None:
+            label, config = starting
+            envelope = _counted_envelope(config)
+            if envelope is None:
+                return UpBound(self.drain_s, f"default: {label} has no measured envelope")
+            switch += envelope.cold_start_s
+            parts.append(f"start {label} {envelope.cold_start_s:g}s")
+        derived = max(self.drain_floor_s, self.drain_multiple * switch)
+        source = (
+            f"switch {switch:g}s ({' + '.join(parts) or 'nothing'}): max("
+            f"{self.drain_floor_s:g}s, {self.drain_multiple:g} × {switch:g}s)"
+        )
+        return UpBound(derived, source)
+
+
+def _counted_envelope(config: Config | None) -> Envelope | None:
+    """The config's envelope when its figures count on this machine (``untrusted`` empty)."""
+    if config is None or config.untrusted:
+        return None
+    return config.envelope
 
 
 @dataclass(frozen=True)
@@ -288,6 +396,11 @@ class _TimeoutsDoc(BaseModel):
     measured_start_multiple: float | None = Field(default=None, ge=1)
     measured_start_margin_s: float | None = Field(default=None, gt=0)
     measured_start_floor_s: float | None = Field(default=None, gt=0)
+    verify_free_multiple: float | None = Field(default=None, ge=1)
+    verify_free_margin_s: float | None = Field(default=None, gt=0)
+    verify_free_floor_s: float | None = Field(default=None, gt=0)
+    drain_multiple: float | None = Field(default=None, ge=1)
+    drain_floor_s: float | None = Field(default=None, gt=0)
 
 
 # --------------------------------------------------------------------------- the host
@@ -547,6 +660,11 @@ class _Run:
     started_unit: str | None = None
     """The unit whose start was attempted (the rollback stops it first)."""
     victim_pids: frozenset[int] = frozenset()
+    paused: list[Resident] = field(default_factory=list)
+    """Victims whose sleep was attempted (the rollback wakes these)."""
+    woke: bool = False
+    """Whether this run asked the paused resident it wakes to wake (the rollback puts it
+    back to sleep first)."""
     started_at: float = field(default_factory=time.time)
     verify_up_bound: UpBound | None = None
     """The verify-up wait this run used for its new unit, and why that long."""
@@ -579,6 +697,18 @@ class _Target:
     new_unit: str | None
     reuse: Resident | None = None
     entry: PendingEntry | None = None
+    pause: frozenset[ResidentKey] = frozenset()
+    """The victims this run pauses (engine sleep) rather than stops (issue 12)."""
+    wake: Resident | None = None
+    """The paused resident this run wakes instead of starting a unit (a ``wake`` option)."""
+
+    @property
+    def stopping(self) -> tuple[Resident, ...]:
+        return tuple(v for v in self.victims if resident_key(v) not in self.pause)
+
+    @property
+    def pausing(self) -> tuple[Resident, ...]:
+        return tuple(v for v in self.victims if resident_key(v) in self.pause)
 
     @property
     def new_key(self) -> ResidentKey | None:
@@ -661,6 +791,23 @@ class Enforcer:
     async def wait_idle(self) -> None:
         async with self._lock:
             return
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self, what: str) -> AsyncIterator[None]:
+        """Hold the one-run-at-a-time lock for work that takes units down outside a run
+        (``measure --envelope``): :class:`~uapplace.errors.Busy` at once when a run is in
+        progress, and no run starts until it ends."""
+        if self._lock.locked():
+            raise Busy(
+                f"an enforcement is running ({self._running}); one runs at a time "
+                "machine-wide: retry when it has finished"
+            )
+        async with self._lock:
+            self._running = what
+            try:
+                yield
+            finally:
+                self._running = None
 
     async def apply(
         self,
@@ -811,9 +958,12 @@ class Enforcer:
         try:
             self._mark_draining(run, target)
             await self._drain(run, target)
+            await self._pause(run, target)
             await self._stop(run, target)
             await self._verify_free(run, target)
-            if target.new_unit is not None:
+            if target.wake is not None:
+                await self._wake(run, target, target.wake)
+            elif target.new_unit is not None:
                 await self._start(run, target)
                 await self._verify_up(run, target)
         except _StepFailed as failure:
@@ -896,7 +1046,15 @@ class Enforcer:
         if not fresh.options:
             why = "; ".join(fresh.infeasible) or fresh.reason.value
             raise self._refuse(run, Failed(f"no way to load {model} now: {why}"))
-        chosen = fresh.options[0]
+        # The first placement; of its stop and pause forms (issue 12), the one approved.
+        chosen = next(
+            (
+                o
+                for o in fresh.options
+                if _same_placement(o, fresh.options[0]) and o.signature == signature
+            ),
+            fresh.options[0],
+        )
         drift = _signature_drift(signature, chosen.signature)
         if drift is not None:
             raise self._refuse(run, drift)
@@ -999,13 +1157,15 @@ class Enforcer:
                     "enforcement only starts registry units"
                 ),
             )
-        wanted = {v.signature for v in option.victims}
+        wanted = {f"{v.model}/{v.config}": v.action for v in option.victims}
         victims = tuple(
             r for r in self.host.residents() if r.signature in wanted and r.device == option.device
         )
         if len(victims) != len(wanted):
             raise self._refuse(run, Drifted("a victim is no longer resident; look at the preview"))
         self._check_victim_units(run, victims)
+        pause = frozenset(resident_key(r) for r in victims if wanted[r.signature] == "pause")
+        wake = self._paused_twin(run, option) if option.kind is OptionKind.WAKE else None
         detail = _option_text(option)
         run.record(REVALIDATE, True, f"{detail}: still valid")
         return _Target(
@@ -1016,9 +1176,29 @@ class Enforcer:
             device=option.device,
             cost_mib=option.cost_mib,
             victims=victims,
-            new_unit=unit_file_name(unit),
+            new_unit=None if wake is not None else unit_file_name(unit),
             entry=entry,
+            pause=pause,
+            wake=wake,
         )
+
+    def _paused_twin(self, run: _Run, option: Option) -> Resident:
+        """The paused resident a ``wake`` option wakes; ``Drifted`` when it went away."""
+        twin = next(
+            (
+                r
+                for r in self.host.residents()
+                if (r.model, r.config, r.device) == (option.model, option.config, option.device)
+                and r.state is ResidentState.PAUSED
+            ),
+            None,
+        )
+        if twin is None or twin.endpoint is None:
+            raise self._refuse(
+                run,
+                Drifted(f"{option.model}/{option.config} is no longer paused on {option.device}"),
+            )
+        return twin
 
     def _check_victim_units(self, run: _Run, victims: Iterable[Resident]) -> None:
         unitless = [v.signature for v in victims if not v.unit or not valid_unit_name(v.unit)]
@@ -1113,7 +1293,10 @@ class Enforcer:
             run.record(DRAIN, True, "no victims")
             return
         started = time.monotonic()
-        deadline = started + self.timeouts.drain_s
+        bound = self.timeouts.drain_bound(
+            self._labelled(target), [self._victim_config(v) for v in target.victims]
+        )
+        deadline = started + bound.seconds
         while True:
             try:
                 busy = await self._busy(target.victims)
@@ -1122,17 +1305,32 @@ class Enforcer:
                 raise run.fail(DRAIN, f"{err}; nothing was stopped") from None
             if not busy:
                 waited = time.monotonic() - started
-                run.record(DRAIN, True, f"no in-flight work or holds (waited {waited:.2f}s)")
+                run.record(
+                    DRAIN,
+                    True,
+                    f"no in-flight work or holds (waited {waited:.2f}s; {bound.text()})",
+                )
                 return
             if time.monotonic() >= deadline:
                 raise run.fail(
                     DRAIN,
-                    f"still busy after {self.timeouts.drain_s:g}s: {'; '.join(busy)} "
-                    "(nothing was cut off)",
+                    f"still busy after {bound.seconds:g}s: {'; '.join(busy)} "
+                    f"(nothing was cut off; {bound.text()})",
                 )
             await asyncio.sleep(
                 min(self.timeouts.drain_poll_s, max(0.0, deadline - time.monotonic()))
             )
+
+    def _victim_config(self, victim: Resident) -> tuple[str, Config | None]:
+        """``(model/config, its registry config)`` for the envelope-derived bounds."""
+        model = self.host.registry().models.get(victim.model)
+        return victim.signature, model.configs.get(victim.config) if model else None
+
+    @staticmethod
+    def _labelled(target: _Target) -> tuple[str, Config | None] | None:
+        if target.config is None:
+            return None
+        return f"{target.model.key}/{target.config.key}", target.config
 
     async def _busy(self, victims: Sequence[Resident]) -> list[str]:
         """Why each victim is still busy; empty when all are idle."""
@@ -1154,9 +1352,9 @@ class Enforcer:
     # ------------------------------------------------------------------ stop / verify-free
 
     async def _stop(self, run: _Run, target: _Target) -> None:
-        units = _units_of(target.victims)
+        units = _units_of(target.stopping)
         if not units:
-            run.record(STOP, True, "no victims")
+            run.record(STOP, True, "paused instead" if target.pausing else "no victims")
             return
         run.victim_pids = frozenset(await self._pids_of(units))
         await self._journal_step(run, target, STOP, units)
@@ -1169,6 +1367,157 @@ class Enforcer:
         run.record(STOP, True, f"stopped {', '.join(units)}")
         await self._journal_step(run, target, VERIFY_FREE)
 
+    # ------------------------------------------------------------------ pause / wake
+
+    async def _pause(self, run: _Run, target: _Target) -> None:
+        """Put each paused victim's engine to sleep and see it asleep (issue 12).
+
+        The sleep is vLLM's ``POST /sleep?level=N`` (answered once the memory is
+        released); ``/is_sleeping`` must then say ``true``. The unit stays active:
+        only the memory goes, which verify-free then checks on the probe. A sleep
+        that fails rolls back, and the rollback wakes every victim this step touched.
+        """
+        victims = target.pausing
+        if not victims:
+            return
+        registry = self.host.registry()
+        done: list[str] = []
+        for victim in victims:
+            config = config_of(registry, victim)
+            level = config.sleep_level if config is not None else None
+            if level is None or victim.endpoint is None:
+                raise run.fail(
+                    PAUSE,
+                    f"{victim.signature}: no executable pause lever or no endpoint "
+                    "(registry pause_lever / endpoint); nothing was paused",
+                )
+            run.paused.append(victim)
+            started = time.monotonic()
+            try:
+                await engines.sleep(victim.endpoint, level, self.timeouts.stop_s)
+            except (engines.EngineError, ValueError) as err:
+                raise run.fail(
+                    PAUSE, f"{victim.signature} at {victim.endpoint}: sleep level {level}: {err}"
+                ) from None
+            asleep = await engines.is_sleeping(victim.endpoint, self.timeouts.http_s)
+            if asleep is not True:
+                seen = "unknown" if asleep is None else "false"
+                raise run.fail(
+                    PAUSE,
+                    f"{victim.signature}: the sleep was answered but /is_sleeping is {seen}",
+                )
+            elapsed = time.monotonic() - started
+            done.append(f"{victim.signature} asleep at level {level} in {elapsed:.2f}s")
+        run.record(PAUSE, True, "; ".join(done) + " (units stay active)")
+
+    async def _wake(self, run: _Run, target: _Target, twin: Resident) -> None:
+        """Wake the paused resident a ``wake`` option names, then its verify-up: unit
+        active, ``/health`` 200, served id, metrics policy, and ``/is_sleeping`` false
+        (a sleeping vLLM answers ``/health`` 200, so health alone proves nothing)."""
+        assert target.config is not None and twin.endpoint is not None
+        label = f"{target.model.key}/{target.config.key}"
+        bound = self.timeouts.wake_bound(label, target.config, self.timeouts.verify_up_s)
+        run.verify_up_bound = bound
+        run.woke = True
+        started = time.monotonic()
+        try:
+            await engines.wake(twin.endpoint, bound.seconds)
+        except engines.EngineError as err:
+            raise run.fail(WAKE, f"{label} at {twin.endpoint}: wake_up: {err}") from None
+        run.record(WAKE, True, f"{label} woke in {time.monotonic() - started:.2f}s")
+        ok, detail = await self._verify_awake(
+            twin, target.model, target.config, target.requested, bound
+        )
+        if not ok:
+            raise run.fail(VERIFY_UP, detail)
+        run.record(VERIFY_UP, True, detail)
+
+    async def _verify_awake(
+        self,
+        resident: Resident,
+        model: Model,
+        config: Config | None,
+        requested: str | None,
+        bound: UpBound,
+    ) -> tuple[bool, str]:
+        """A woken engine's verify-up (the same check as a start, plus not asleep)."""
+        unit = _unit_of(resident) or resident.signature
+        endpoint = verify_endpoint(resident.endpoint, self.host.registry().single_upstream)
+        expect = verify.expectation(model, config, requested, self.host.service_policy(model))
+        verdict = await verify.verify_up(
+            unit,
+            endpoint,
+            expect,
+            bound.seconds,
+            changed=self._watch(unit),
+            fresh_state=lambda: self._fresh_state(unit),
+            cached_state=lambda: self._unit_states.get(unit),
+            first_poll_s=self.timeouts.health_first_poll_s,
+            max_poll_s=self.timeouts.health_max_poll_s,
+            http_s=self.timeouts.http_s,
+        )
+        if not verdict.ok:
+            return False, f"{verdict.detail}; {bound.text()}"
+        asleep = await engines.is_sleeping(resident.endpoint or "", self.timeouts.http_s)
+        if asleep is not False:
+            seen = "true" if asleep else "unknown"
+            return False, f"{resident.signature} answered the wake but /is_sleeping is {seen}"
+        return True, f"{resident.signature} awake and serving: {verdict.detail}; {bound.text()}"
+
+    async def _resleep(self, run: _Run, twin: Resident, restore: _Restore) -> bool:
+        """Put the resident this run tried to wake back to sleep; ``True`` once it is
+        seen asleep (only then may paused victims take the memory back)."""
+        assert twin.endpoint is not None
+        config = config_of(self.host.registry(), twin)
+        level = (config.sleep_level if config is not None else None) or 1
+        asleep = await engines.is_sleeping(twin.endpoint, self.timeouts.http_s)
+        if asleep is not True:
+            try:
+                await engines.sleep(twin.endpoint, level, self.timeouts.stop_s)
+            except (engines.EngineError, ValueError) as err:
+                log.warning("%s: re-sleep of %s failed: %s", run.run_id, twin.signature, err)
+            asleep = await engines.is_sleeping(twin.endpoint, self.timeouts.http_s)
+        if asleep is True:
+            run.record(ROLLBACK_SLEEP, True, f"{twin.signature} is asleep again (paused)")
+            return True
+        observed = f"{twin.signature} not seen asleep after the failed wake"
+        run.record(ROLLBACK_SLEEP, False, f"{observed}: the paused victims stay paused")
+        restore.problems.append(observed)
+        restore.blocker = observed
+        return False
+
+    async def _rewake_victims(self, run: _Run, restore: _Restore, safe: bool) -> None:
+        """Wake every victim this run paused (or tried to), each with its verify-up."""
+        registry = self.host.registry()
+        for victim in run.paused:
+            unit = _unit_of(victim) or victim.signature
+            if not safe:
+                why = f"left paused: {restore.blocker}"
+                run.record(ROLLBACK_WAKE, False, f"{victim.signature} {why}")
+                restore.fail(unit, why)
+                continue
+            assert victim.endpoint is not None
+            config = config_of(registry, victim)
+            bound = self.timeouts.wake_bound(victim.signature, config, self.timeouts.rollback_up_s)
+            try:
+                if await engines.is_sleeping(victim.endpoint, self.timeouts.http_s) is not False:
+                    await engines.wake(victim.endpoint, bound.seconds)
+            except engines.EngineError as err:
+                why = f"{victim.signature}: wake_up: {err}"
+                run.record(ROLLBACK_WAKE, False, why)
+                restore.fail(unit, why)
+                continue
+            model = registry.models.get(victim.model)
+            if model is None:
+                ok, detail = False, f"{victim.model} is no longer in the registry"
+            else:
+                ok, detail = await self._verify_awake(victim, model, config, None, bound)
+            run.record(ROLLBACK_WAKE, ok, detail)
+            if ok:
+                restore.restored.add(unit)
+            else:
+                restore.fail(unit, detail)
+
     async def _pids_of(self, units: Iterable[str]) -> set[int]:
         pids: set[int] = set()
         for unit in units:
@@ -1179,8 +1528,9 @@ class Enforcer:
         return pids
 
     async def _verify_free(self, run: _Run, target: _Target) -> None:
-        need = target.cost_mib if target.config is not None else 0.0
-        deadline = time.monotonic() + self.timeouts.verify_free_s
+        need = _free_need(target)
+        bound = self.timeouts.verify_free_bound([self._victim_config(v) for v in target.victims])
+        deadline = time.monotonic() + bound.seconds
         while True:
             readings = await self.host.read_devices()
             reading = readings.get(target.device)
@@ -1189,14 +1539,16 @@ class Enforcer:
                 assert reading is not None
                 what = f"{need:,.0f} MiB needed" if need else "victims released their memory"
                 run.record(
-                    VERIFY_FREE, True, f"{target.device}: {reading.free_mib:,.0f} MiB free, {what}"
+                    VERIFY_FREE,
+                    True,
+                    f"{target.device}: {reading.free_mib:,.0f} MiB free, {what}; {bound.text()}",
                 )
                 return
             if time.monotonic() >= deadline:
                 orphans = await self._unexpected_processes(reading, target)
                 raise run.fail(
                     VERIFY_FREE,
-                    f"after {self.timeouts.verify_free_s:g}s: {problem}; {orphans}",
+                    f"after {bound.seconds:g}s: {problem}; {orphans} ({bound.text()})",
                 )
             await asyncio.sleep(self.timeouts.verify_free_poll_s)
 
@@ -1328,13 +1680,27 @@ class Enforcer:
 
     def _resolve(self, run: _Run, target: _Target) -> None:
         self.marks.clear_run(run.run_id)
-        for victim in target.victims:
+        registry = self.host.registry()
+        for victim in target.stopping:
             self.host.drop_resident(victim)
+        for victim in target.pausing:
+            self.host.put_resident(_paused_resident(registry, victim))
         parts = []
-        if target.victims:
-            parts.append(f"removed {', '.join(v.signature for v in target.victims)}")
+        if target.stopping:
+            parts.append(f"removed {', '.join(v.signature for v in target.stopping)}")
+        if target.pausing:
+            parts.append(f"paused {', '.join(v.signature for v in target.pausing)}")
         served = target.reuse
-        if served is None and target.config is not None:
+        if served is None and target.wake is not None and target.config is not None:
+            served = replace(
+                target.wake,
+                state=ResidentState.HOT,
+                gpu_mib=target.config.resident_gpu_mib,
+                host_rss_mib=target.config.host_rss_mib,
+                since=iso(self._clock()),
+                holders=(),
+            )
+        elif served is None and target.config is not None:
             served = self._new_resident(target, target.config)
         # Resolve before publishing the resident: publishing would resolve them as
         # "forwarded", and these entries were resolved by this enforcement.
@@ -1433,12 +1799,16 @@ class Enforcer:
         if run.started_unit is not None:
             await self._journal_step(run, target, ROLLBACK_STOP)
             safe = await self._stop_started(run, target, restore)
+        if run.woke and target.wake is not None:
+            safe = await self._resleep(run, target.wake, restore) and safe
         if run.stopped_units:
             if safe:
                 await self._journal_step(run, target, ROLLBACK_START)
                 await self._restart_victims(run, target, restore)
             else:
                 self._leave_victims_down(run, restore)
+        if run.paused:
+            await self._rewake_victims(run, restore, safe)
         running = await self._running_after(run, target)
         self._clear(run, restore.restored, running)
         return restore, running
@@ -1545,10 +1915,15 @@ class Enforcer:
         """Clear this run's marks; put back the victims that run, drop the ones that do not."""
         cleared = self.marks.clear_run(run.run_id)
         stopped = set(run.stopped_units)
+        paused = {resident_key(v) for v in run.paused}
+        registry = self.host.registry()
         for victim in run.victims:
             unit = _unit_of(victim)
             if unit in stopped and unit not in restored:
                 self.host.drop_resident(victim)
+            elif resident_key(victim) in paused and unit not in restored:
+                # Still resident, asleep: never published as serving (issue 12).
+                self.host.put_resident(_paused_resident(registry, victim))
             else:
                 self.host.put_resident(victim)
         names = ", ".join(f"{m}/{c}" for m, c, _ in cleared) or "none"
@@ -1951,6 +2326,33 @@ def _executable_problem(path: str) -> str:
 # --------------------------------------------------------------------------- helpers
 
 
+def _free_need(target: _Target) -> float:
+    """MiB the device must show free before the start (or wake): the new config's cost;
+    for a wake, less what the paused engine still holds (its residual)."""
+    if target.config is None:
+        return 0.0
+    if target.wake is not None:
+        return max(0.0, target.cost_mib - (target.wake.gpu_mib or 0.0))
+    return target.cost_mib
+
+
+def _paused_resident(registry: Registry, victim: Resident) -> Resident:
+    """``victim`` as the ledger holds it once paused: state ``paused``, the GPU MiB the
+    sleeping engine keeps, host RSS grown by what a level-1 sleep offloads
+    (:func:`uapplace.planner.pause_figures`)."""
+    config = config_of(registry, victim)
+    level = config.sleep_level if config is not None else None
+    freed, grows = pause_figures(config, victim, level or 2)
+    host = victim.host_rss_mib + grows if victim.host_rss_mib is not None else None
+    return replace(
+        victim,
+        state=ResidentState.PAUSED,
+        gpu_mib=max(0.0, (victim.gpu_mib or 0.0) - freed),
+        host_rss_mib=host,
+        holders=(),
+    )
+
+
 def _unit_of(resident: Resident) -> str | None:
     return unit_file_name(resident.unit) if resident.unit else None
 
@@ -1976,8 +2378,12 @@ def _same_placement(a: Option, b: Option) -> bool:
 
 def _option_text(option: Option) -> str:
     text = f"{option.kind.value} {option.model}/{option.config} on {option.device}"
-    if option.victims:
-        text += f", stopping {', '.join(option.signature)}"
+    stopped = [f"{v.model}/{v.config}" for v in option.victims if v.action == "stop"]
+    paused = [f"{v.model}/{v.config}" for v in option.victims if v.action == "pause"]
+    if stopped:
+        text += f", stopping {', '.join(stopped)}"
+    if paused:
+        text += f", pausing {', '.join(paused)}"
     return text
 
 
@@ -2041,7 +2447,14 @@ async def attach_enforcement(
         await controller.reload()
         await sync.sync_all()
 
-    measurer = Measurer(paths, host, manager, http_s=timeouts.http_s, after_write=after_measure)
+    measurer = Measurer(
+        paths,
+        host,
+        manager,
+        http_s=timeouts.http_s,
+        after_write=after_measure,
+        exclusive=enforcer.exclusive,
+    )
     try:
         await manager.connect()
         # A run a crash cut short is repaired before the sync publishes any unit

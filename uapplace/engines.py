@@ -149,6 +149,80 @@ async def wait_healthy(
         interval = min(interval * 2, max_interval)
 
 
+# --------------------------------------------------------------------------- sleep mode
+
+SLEEP_TIMEOUT_S = 60.0
+"""Default bound of one sleep or wake call: level 1 copies the weights to host RAM and
+waking copies them back, seconds for a large model (callers pass the envelope's bound)."""
+SLEEP_LEVELS = (1, 2)
+# The three calls below take ``timeout`` (not ``timeout_s`` like the probes above): the
+# name agreed with the pause path that calls them (issue 12).
+
+
+async def _post(url: str, timeout_s: float) -> tuple[int, str]:
+    client_timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with (
+        aiohttp.ClientSession(timeout=client_timeout) as session,
+        session.post(url) as response,
+    ):
+        return response.status, await response.text()
+
+
+async def _post_ok(url: str, timeout_s: float) -> None:
+    try:
+        status, text = await _post(url, timeout_s)
+    except (aiohttp.ClientError, TimeoutError) as err:
+        raise EngineError(f"POST {url}: {_describe(err)}") from None
+    if status == 404:
+        raise EngineError(
+            f"POST {url}: HTTP 404: the engine has no sleep route (vLLM needs "
+            "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1)"
+        )
+    if status != 200:
+        raise EngineError(f"POST {url}: HTTP {status}: {text[:200]}")
+
+
+async def sleep(
+    endpoint: str,
+    level: int,
+    timeout: float = SLEEP_TIMEOUT_S,  # noqa: ASYNC109
+) -> None:
+    """vLLM's ``POST /sleep?level=N``: level 1 offloads the weights to host RAM and drops
+    the KV cache, level 2 discards both. Returns once the engine answered 200 (vLLM
+    answers after the memory is released). Raises :class:`EngineError` otherwise,
+    ``ValueError`` for a level vLLM does not have."""
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+    await _post_ok(f"{engine_root(endpoint)}/sleep?level={level}", timeout)
+
+
+async def wake(
+    endpoint: str,
+    timeout: float = SLEEP_TIMEOUT_S,  # noqa: ASYNC109
+) -> None:
+    """vLLM's ``POST /wake_up``: reloads the weights (and re-allocates the KV cache).
+    Returns once the engine answered 200. Raises :class:`EngineError` otherwise (the
+    caller still verifies the engine serves before publishing it)."""
+    await _post_ok(f"{engine_root(endpoint)}/wake_up", timeout)
+
+
+class _SleepState(BaseModel):
+    is_sleeping: bool
+
+
+async def is_sleeping(
+    endpoint: str,
+    timeout: float = PROBE_TIMEOUT_S,  # noqa: ASYNC109
+) -> bool | None:
+    """vLLM's ``GET /is_sleeping`` → ``{"is_sleeping": bool}``; ``None`` when the engine
+    cannot tell (no route, error, another body): unknown, never a guess."""
+    try:
+        body = await _get_json(f"{engine_root(endpoint)}/is_sleeping", timeout)
+        return _SleepState.model_validate(body).is_sleeping
+    except (EngineError, ValidationError):
+        return None
+
+
 # --------------------------------------------------------------------------- Prometheus text
 
 

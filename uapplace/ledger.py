@@ -267,6 +267,12 @@ class _VictimJson(_Strict):
     frees_mib: float
     consequence: str
     reload_mib: float | None = None
+    # Issue 12: the action on this victim and what it costs (model.Victim).
+    action: Literal["stop", "pause"] = "stop"
+    serve_again_s: float | None = None
+    residual_mib: float = 0.0
+    host_grows_mib: float = 0.0
+    alternative: str = ""
 
 
 class _OptionJson(_Strict):
@@ -280,6 +286,7 @@ class _OptionJson(_Strict):
     # Derived from the victims by Option; accepted on input, recomputed on output.
     signature: list[str] | None = None
     frees_mib: float | None = None
+    expected_s: float | None = None
 
 
 class _PendingJson(_Strict):
@@ -437,6 +444,11 @@ def _victim(data: _VictimJson) -> Victim:
         frees_mib=data.frees_mib,
         consequence=data.consequence,
         reload_mib=data.reload_mib,
+        action=data.action,
+        serve_again_s=data.serve_again_s,
+        residual_mib=data.residual_mib,
+        host_grows_mib=data.host_grows_mib,
+        alternative=data.alternative,
     )
 
 
@@ -449,6 +461,7 @@ def _option(data: _OptionJson) -> Option:
         cost_mib=data.cost_mib,
         victims=tuple(_victim(v) for v in data.victims),
         affinity_match=data.affinity_match,
+        expected_s=data.expected_s,
     )
 
 

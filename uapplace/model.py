@@ -21,6 +21,20 @@ DEFAULT_CELLS = 32768
 
 Provenance = Literal["repo", "local"]
 
+PauseLever = Literal["vllm-sleep-1", "vllm-sleep-2", "llamacpp-router"]
+"""The in-process lever an engine has to give its GPU memory back without exiting
+(spec §4.2 "What paused is", Decision 4, issue 12). ``vllm-sleep-1``: vLLM sleep level 1
+(weights offloaded to host RAM, KV discarded; ``POST /sleep?level=1``, ``/wake_up``);
+``vllm-sleep-2``: level 2 (weights and KV discarded, reloaded from disk on wake);
+``llamacpp-router``: llama.cpp's router unloads the model in place. Declared per config
+by the operator in the registry; whether it is executable is :data:`EXECUTABLE_LEVERS`."""
+
+EXECUTABLE_LEVERS: frozenset[str] = frozenset({"vllm-sleep-1", "vllm-sleep-2"})
+"""The levers enforcement can drive today (vLLM's sleep API through
+:mod:`uapplace.engines`). ``llamacpp-router`` is accepted in the registry but stays
+display-only (spec Decision 4: "until that reload path exists for a given engine,
+paused is display-only for that config"): the planner never offers it as ``pause``."""
+
 
 def iso(ts: float) -> str:
     """POSIX seconds → ``2026-10-08T14:02:00Z``."""
@@ -71,6 +85,48 @@ class ConfigStatus(StrEnum):
 
 
 @dataclass(frozen=True)
+class Envelope:
+    """A config's measured enforcement envelope on this machine (spec §4.6, open question 4):
+    how long taking it down and bringing it up took, per ``uapplace measure --envelope``.
+
+    Seconds throughout; ``sleep_*``/``wake_s`` only for an engine with a sleep lever.
+    Enforcement derives its drain, verify-free and verify-up waits from it
+    (``enforce.Timeouts``); the planner its expected time to serve again.
+    """
+
+    stop_s: float
+    """The stop job, from asking to the unit inactive."""
+    free_s: float
+    """From asking for the stop until the probe showed the memory back."""
+    cold_start_s: float
+    """First start: from the start job until healthy and serving the model's id."""
+    warm_start_s: float
+    """The start right after (page cache hot), the same way."""
+    measured_at: str
+    measured_on: str
+    sleep_s: float | None = None
+    sleep_freed_mib: float | None = None
+    """What the probe saw freed on the device by the sleep."""
+    wake_s: float | None = None
+    """From ``POST /wake_up`` until healthy, serving, and holding its memory again."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "stop_s": self.stop_s,
+            "free_s": self.free_s,
+            "cold_start_s": self.cold_start_s,
+            "warm_start_s": self.warm_start_s,
+        }
+        for name in ("sleep_s", "sleep_freed_mib", "wake_s"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        out["measured_at"] = self.measured_at
+        out["measured_on"] = self.measured_on
+        return out
+
+
+@dataclass(frozen=True)
 class Config:
     """One launch configuration of a model, with its measured footprint (spec §4.1)."""
 
@@ -103,6 +159,20 @@ class Config:
     machine. Enforcement derives its verify-up bound from it (``enforce.Timeouts``)."""
     start_timeout_s: float | None = None
     """The operator's explicit verify-up bound for this config when no start is measured."""
+    envelope: Envelope | None = None
+    """The measured enforcement envelope (``uapplace measure --envelope``), machine-local."""
+    pause_lever: PauseLever | None = None
+    """How this config's engine can pause in place (:data:`PauseLever`); ``None``: it
+    cannot, and the only way to free its memory is a stop."""
+
+    @property
+    def sleep_level(self) -> int | None:
+        """vLLM sleep level of an executable lever (1 or 2); ``None`` when it has none."""
+        if self.pause_lever == "vllm-sleep-1":
+            return 1
+        if self.pause_lever == "vllm-sleep-2":
+            return 2
+        return None
 
     @property
     def is_measured(self) -> bool:
@@ -292,6 +362,9 @@ class OptionKind(StrEnum):
     REUSE = "reuse"
     LOAD_ALONGSIDE = "load_alongside"
     DISPLACE = "displace"
+    WAKE = "wake"
+    """Wake a ``paused`` resident of the requested model in place (issue 12); may itself
+    need room, so it carries victims like a displace."""
 
 
 class PreviewReason(StrEnum):
@@ -301,9 +374,18 @@ class PreviewReason(StrEnum):
     NO_FEASIBLE_OPTION = "no_feasible_option"
 
 
+VictimAction = Literal["stop", "pause"]
+
+PAUSE_SUFFIX = "@pause"
+"""Appended to a victim's ``model/config`` in an approval signature when the option
+pauses it rather than stopping it, so consent names the action (issue 12): approving
+``coder/q4`` never approves ``coder/q4@pause`` and the other way round."""
+
+
 @dataclass(frozen=True)
 class Victim:
-    """One resident a displace option stops, with its spec §4.5 consequence."""
+    """One resident a displace (or wake) option stops or pauses, with its spec §4.5
+    consequence."""
 
     model: str
     config: str
@@ -315,13 +397,26 @@ class Victim:
     frees_mib: float
     consequence: str
     reload_mib: float | None = None
+    action: VictimAction = "stop"
+    serve_again_s: float | None = None
+    """Expected seconds until this victim serves again: its measured wake for a pause,
+    its measured cold start for a stop; ``None`` when unmeasured."""
+    residual_mib: float = 0.0
+    """GPU MiB the paused process keeps (its CUDA context); 0 for a stop."""
+    host_grows_mib: float = 0.0
+    """Host RAM the pause moves into the victim's process (vLLM sleep level 1 offloads
+    the weights to host RAM); 0 for a stop or a level-2 pause."""
+    alternative: str = ""
+    """What the other action would cost for this victim ("pausing instead: wake ≈ 1.5 s,
+    host RAM +6,000 MiB"), empty when there is no other action."""
 
     @property
     def signature(self) -> str:
-        return f"{self.model}/{self.config}"
+        base = f"{self.model}/{self.config}"
+        return base + PAUSE_SUFFIX if self.action == "pause" else base
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "model": self.model,
             "config": self.config,
             "state": self.state.value,
@@ -331,7 +426,16 @@ class Victim:
             "frees_mib": self.frees_mib,
             "consequence": self.consequence,
             "reload_mib": self.reload_mib,
+            "action": self.action,
+            "serve_again_s": self.serve_again_s,
         }
+        if self.residual_mib:
+            out["residual_mib"] = round(self.residual_mib, 3)
+        if self.host_grows_mib:
+            out["host_grows_mib"] = round(self.host_grows_mib, 3)
+        if self.alternative:
+            out["alternative"] = self.alternative
+        return out
 
 
 def holder_json(holder: Holder) -> dict[str, Any]:
@@ -354,11 +458,23 @@ class Option:
     cost_mib: float
     victims: tuple[Victim, ...] = ()
     affinity_match: bool = False
+    expected_s: float | None = None
+    """Expected seconds for the whole switch (victims stopped or paused, then the new
+    one started or woken), from the measured envelopes; ``None`` when any part is
+    unmeasured."""
+    form_rank: float = 0.0
+    """Orders the stop and pause forms of one displacement: the expected time until
+    the victims serve again when measured, else pause (0) before stop (1)."""
 
     @property
     def signature(self) -> tuple[str, ...]:
-        """The approval signature: sorted ``model/config`` of every victim."""
+        """The approval signature: sorted ``model/config`` of every victim, with
+        ``@pause`` for a victim the option pauses (:data:`PAUSE_SUFFIX`)."""
         return tuple(sorted(v.signature for v in self.victims))
+
+    @property
+    def pauses(self) -> bool:
+        return any(v.action == "pause" for v in self.victims)
 
     @property
     def frees_mib(self) -> float:
@@ -373,10 +489,12 @@ class Option:
             "device": self.device,
             "cost_mib": round(self.cost_mib, 3),
         }
-        if self.kind is OptionKind.DISPLACE:
+        if self.kind in (OptionKind.DISPLACE, OptionKind.WAKE):
             out["victims"] = [v.to_json() for v in self.victims]
             out["signature"] = list(self.signature)
             out["frees_mib"] = round(self.frees_mib, 3)
+        if self.kind is not OptionKind.REUSE:
+            out["expected_s"] = None if self.expected_s is None else round(self.expected_s, 1)
         if self.kind is OptionKind.LOAD_ALONGSIDE:
             out["affinityMatch"] = self.affinity_match
         return out

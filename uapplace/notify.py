@@ -108,10 +108,33 @@ def recommendation_text(option: Option) -> str:
     target = f"{option.model}/{option.config} on {option.device}"
     if option.kind is OptionKind.REUSE:
         return f"use {target}, already loaded — nothing is stopped"
+    swap = f"; swap ≈ {seconds_text(option.expected_s)}" if option.expected_s is not None else ""
     if option.kind is OptionKind.LOAD_ALONGSIDE:
-        return f"load {target} alongside — nothing is stopped, needs {mib_text(option.cost_mib)}"
-    stopped = "; ".join(victim_impact(victim) for victim in option.victims)
-    return f"load {target} — stops {stopped}, frees {mib_text(option.frees_mib)}"
+        needs = mib_text(option.cost_mib)
+        return f"load {target} alongside — nothing is stopped, needs {needs}{swap}"
+    verb = "load"
+    if option.kind is OptionKind.WAKE:
+        verb = "wake"
+        if not option.victims:
+            return f"wake {target} (paused) — nothing is stopped{swap}"
+    parts = "; ".join(victim_action_text(victim) for victim in option.victims)
+    return f"{verb} {target} — {parts}, frees {mib_text(option.frees_mib)}{swap}"
+
+
+def seconds_text(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+
+
+def victim_action_text(victim: Victim) -> str:
+    """``stops coder-7b: no clients, nothing in flight, reload ≈ 38 s`` (issue 12: the
+    preview labels which action it offers, and how long until the victim serves again)."""
+    if victim.action == "pause":
+        again = "wake"
+        verb = "pauses"
+    else:
+        again, verb = "reload", "stops"
+    when = seconds_text(victim.serve_again_s) if victim.serve_again_s is not None else "unmeasured"
+    return f"{verb} {victim_impact(victim)}, {again} ≈ {when}"
 
 
 def no_option_text(plan: Plan) -> str:
@@ -134,7 +157,8 @@ def body_text(plan: Plan) -> str:
         return no_option_text(plan)
     option = plan.options[0]
     lines = [f"Recommended: {recommendation_text(option)}"]
-    if option.kind is OptionKind.DISPLACE:
+    lines += [f"{v.model}: {v.alternative}" for v in option.victims if v.alternative]
+    if option.victims:
         lines.append(f"Approval signature: {', '.join(option.signature)}")
     others = len(plan.options) - 1
     if others:
@@ -147,7 +171,11 @@ def action_label(option: Option) -> str:
         return f"Use {option.model}"
     if option.kind is OptionKind.LOAD_ALONGSIDE:
         return f"Load on {option.device}"
-    return f"Stop {', '.join(unique(v.model for v in option.victims))} and load"
+    if option.kind is OptionKind.WAKE and not option.victims:
+        return f"Wake {option.model}"
+    verb = "Pause" if all(v.action == "pause" for v in option.victims) else "Stop"
+    then = "wake" if option.kind is OptionKind.WAKE else "load"
+    return f"{verb} {', '.join(unique(v.model for v in option.victims))} and {then}"
 
 
 def urgency(option: Option | None) -> int:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from uapplace.conflicts import (
     EPSILON_MIB,
@@ -44,6 +44,7 @@ from uapplace.conflicts import (
 )
 from uapplace.model import (
     DEFAULT_CELLS,
+    EXECUTABLE_LEVERS,
     Config,
     Device,
     DeviceKind,
@@ -58,6 +59,7 @@ from uapplace.model import (
     Resident,
     ResidentState,
     Victim,
+    VictimAction,
     cost_mib,
 )
 from uapplace.topology import same_endpoint
@@ -109,11 +111,11 @@ def plan(
     options = list(reuse)
     for config in measured:
         for device_key in candidate_devices(inp.registry, model):
-            outcome = search.place(config, device_key)
-            if isinstance(outcome, Option):
-                options.append(outcome)
-            elif outcome is not None:
-                infeasible.append(outcome)
+            for outcome in search.place(config, device_key):
+                if isinstance(outcome, Option):
+                    options.append(outcome)
+                else:
+                    infeasible.append(outcome)
     ranked = rank_options(options)
     if ranked:
         reason = PreviewReason.OK
@@ -145,27 +147,46 @@ def plan_unload(inp: PlanInput, model: str) -> tuple[Victim, ...]:
 
 
 def rank_options(options: Iterable[Option]) -> tuple[Option, ...]:
-    """Spec §4.4 order: reuse > load_alongside with affinity > load_alongside >
-    displace freeing the fewest MiB > … > the most. Ties: fewer victims, then
-    device and config key, so the order is deterministic."""
+    """Spec §4.4 order: reuse > wake with nothing to displace > load_alongside with
+    affinity > load_alongside > displace (and wake needing room) freeing the fewest
+    MiB > … > the most. Ties: fewer victims, then device and config key, so the
+    order is deterministic.
 
-    def key(option: Option) -> tuple[int, int, float, int, str, str, str]:
+    The stop and pause forms of one displacement (issue 12) share every key but the
+    last: MiB are counted as what *stopping* the victims would free
+    (:func:`displaced_mib`), so the two forms sit next to each other, ordered by
+    ``Option.form_rank``: the expected time until the victims serve again where
+    the envelopes measure it, else pause before stop.
+    """
+
+    def key(option: Option) -> tuple[int, int, float, int, str, str, str, str, float]:
+        kind = option.kind.value
         if option.kind is OptionKind.REUSE:
-            return (0, 0, 0.0, 0, option.device, option.model, option.config)
+            return (0, 0, 0.0, 0, option.device, option.model, option.config, kind, 0.0)
+        if option.kind is OptionKind.WAKE and not option.victims:
+            return (1, 0, 0.0, 0, option.device, option.model, option.config, kind, 0.0)
         if option.kind is OptionKind.LOAD_ALONGSIDE:
             rank = 0 if option.affinity_match else 1
-            return (1, rank, 0.0, 0, option.device, option.model, option.config)
+            return (2, rank, 0.0, 0, option.device, option.model, option.config, kind, 0.0)
         return (
-            2,
+            3,
             0,
-            option.frees_mib,
+            displaced_mib(option),
             len(option.victims),
             option.device,
             option.model,
             option.config,
+            kind,
+            option.form_rank,
         )
 
     return tuple(sorted(options, key=key))
+
+
+def displaced_mib(option: Option) -> float:
+    """What stopping every victim of ``option`` would free: the ranking's MiB, the same
+    for an option's stop and pause forms."""
+    return sum(v.frees_mib + v.residual_mib for v in option.victims)
 
 
 def affinity_match(model: Model, device_key: str, task: str | None = None) -> bool:
@@ -256,13 +277,120 @@ def consequence(state: ResidentState, busy: bool | None) -> str:
     return "already draining and idle; the stop completes the drain, reload needed"
 
 
-def victim_of(registry: Registry, resident: Resident, inflight_known: bool) -> Victim:
+def pause_consequence(level: int, busy: bool | None) -> str:
+    """The §4.5 table's ``pause`` row (issue 12): KV and context are lost either way;
+    what differs from a stop is where the weights go and how the model comes back."""
+    if busy is True:
+        first = "active generation aborted; context lost"
+    elif busy is None:
+        first = (
+            "in-flight work unknown (the proxy did not answer), counted as busy: "
+            "an active generation may be aborted; context lost"
+        )
+    else:
+        first = "session idle, context lost"
+    if level == 1:
+        return f"{first}; paused: weights offloaded to host RAM, wake needed (no reload)"
+    return f"{first}; paused: weights discarded, wake reloads them from disk"
+
+
+CONSEQUENCES: tuple[tuple[str, str, str, str], ...] = (
+    ("hot", "stop", "yes", "active generation aborted; context lost"),
+    ("hot", "stop", "no", "session idle, context lost, reload needed"),
+    ("hot", "pause (level 1)", "no", pause_consequence(1, False)),
+    ("hot", "pause (level 2)", "no", pause_consequence(2, False)),
+    ("warming", "stop", "—", "load wasted; VRAM returns on stop"),
+    ("paused", "stop", "—", "already offloaded; restore path lost"),
+)
+"""Spec §4.5's consequence table with the ``pause`` rows (state, action, in flight,
+consequence); :func:`consequence` and :func:`pause_consequence` compute each cell.
+Only a ``hot`` resident is ever paused: a warming one has nothing to offload yet,
+a paused one is paused already, a draining one is being stopped."""
+
+
+def envelope_figure(config: Config | None, name: str) -> float | None:
+    """One figure of a config's measured enforcement envelope (``model.Envelope``:
+    ``stop_s``, ``free_s``, ``cold_start_s``, ``warm_start_s``, ``sleep_s``,
+    ``sleep_freed_mib``, ``wake_s``), ``None`` when unmeasured. ``cold_start_s`` falls
+    back to the config's measured ``start_s``."""
+    if config is None:
+        return None
+    value = getattr(config.envelope, name, None) if config.envelope is not None else None
+    if value is None and name == "cold_start_s":
+        value = config.start_s
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    return None
+
+
+def pause_level(registry: Registry, resident: Resident) -> int | None:
+    """The sleep level enforcement would pause ``resident`` with, ``None`` when it cannot
+    be paused: only a ``hot`` resident whose config declares an executable lever
+    (:data:`~uapplace.model.EXECUTABLE_LEVERS`), measured for this machine, with an
+    endpoint to send the sleep to."""
+    config = config_of(registry, resident)
+    if config is None or config.pause_lever not in EXECUTABLE_LEVERS:
+        return None
+    if resident.state is not ResidentState.HOT or resident.endpoint is None:
+        return None
+    return config.sleep_level
+
+
+def pause_figures(config: Config | None, resident: Resident, level: int) -> tuple[float, float]:
+    """(GPU MiB a pause frees, host MiB it moves into the process).
+
+    Frees the envelope's measured ``sleep_freed_mib`` when there is one, else the
+    resident's whole footprint (``gpu_mib``): the residual CUDA context is then
+    unknown and counted as zero, which the verify-free probe checks after the sleep.
+    Level 1 moves the weights to host RAM: ``sleep_freed_mib`` when measured, else
+    the config's ``resident_gpu_mib`` as the offloaded-weights figure (it includes
+    the KV pool, which is discarded, so this over-counts: fail-closed for the host
+    gate). Level 2 discards the weights: the host does not grow.
+    """
+    held = resident.gpu_mib or 0.0
+    measured = envelope_figure(config, "sleep_freed_mib")
+    freed = min(held, measured) if measured is not None else held
+    if level != 1:
+        return freed, 0.0
+    weights = measured if measured is not None else (config.resident_gpu_mib if config else None)
+    return freed, float(weights if weights is not None else held)
+
+
+def _seconds(value: float | None) -> str:
+    return f"{value:.1f} s" if value is not None else "unmeasured"
+
+
+def victim_of(
+    registry: Registry,
+    resident: Resident,
+    inflight_known: bool,
+    action: VictimAction = "stop",
+) -> Victim:
+    """The preview victim for ``resident``: stopped, or paused (``action="pause"``,
+    only where :func:`pause_level` allows). Each carries what the other action would
+    cost (``alternative``) where it has one."""
     busy = in_flight(resident, inflight_known)
-    text = consequence(resident.state, busy)
+    config = config_of(registry, resident)
+    level = pause_level(registry, resident)
+    cold = envelope_figure(config, "cold_start_s")
+    wake = envelope_figure(config, "wake_s")
+    freed, grows = pause_figures(config, resident, level) if level is not None else (0.0, 0.0)
+    if action == "pause":
+        if level is None:
+            raise ValueError(f"{resident.signature}: cannot be paused (no executable lever)")
+        text = pause_consequence(level, busy)
+        held = _fmt(resident.gpu_mib or 0.0)
+        alternative = f"stopping instead: reload ≈ {_seconds(cold)}, frees {held} MiB"
+    else:
+        text = consequence(resident.state, busy)
+        alternative = ""
+        if level is not None:
+            host = f", host RAM +{_fmt(grows)} MiB" if grows else ""
+            alternative = f"pausing instead: wake ≈ {_seconds(wake)}, frees {_fmt(freed)} MiB{host}"
     if resident.gpu_mib is None:
         text += "; VRAM it frees is unknown (footprint not measured)"
-    config = config_of(registry, resident)
     reload_mib = config.resident_gpu_mib if config is not None and config.is_measured else None
+    paused = action == "pause"
     return Victim(
         model=resident.model,
         config=resident.config,
@@ -270,9 +398,14 @@ def victim_of(registry: Registry, resident: Resident, inflight_known: bool) -> V
         device=resident.device,
         holders=resident.holders,
         in_flight=busy,
-        frees_mib=resident.gpu_mib or 0.0,
+        frees_mib=freed if paused else resident.gpu_mib or 0.0,
         consequence=text,
         reload_mib=reload_mib if reload_mib is not None else resident.gpu_mib,
+        action=action,
+        serve_again_s=wake if paused else cold,
+        residual_mib=max(0.0, (resident.gpu_mib or 0.0) - freed) if paused else 0.0,
+        host_grows_mib=grows if paused else 0.0,
+        alternative=alternative,
     )
 
 
@@ -484,36 +617,99 @@ class _Search:
         self.model = model
         self._edges: dict[str, frozenset[str]] = {}
 
-    def place(self, config: Config, device_key: str) -> Option | str | None:
-        """An option, a line saying why not, or ``None`` when reuse already covers it."""
+    def place(self, config: Config, device_key: str) -> list[Option | str]:
+        """The options for one (config, device), and a line for each form that failed;
+        empty when reuse already covers it.
+
+        A ``paused`` resident of this very config is woken in place (``wake``) on its
+        own device (where its config's lever is executable; a paused resident without
+        one is the display state of spec §4.2 and is not woken), never loaded a second
+        time: its budget counts the other residents
+        plus the config's full cost (the paused process's residual is part of that
+        cost once awake), and it needs no host RAM (waking moves weights *out* of the
+        host, or back from disk into the GPU).
+        """
         label = f"{self.model.key}/{config.key}"
         twin = self._same_config_resident(config)
+        wake: Resident | None = None
         if twin is not None:
-            if twin.state not in _NOT_SERVING:
-                return None
-            return f"{device_key}: {label} is already resident on {twin.device} ({twin.state})"
-        budget = self._budget(config, device_key, label)
+            wakeable = twin.state is ResidentState.PAUSED and config.sleep_level is not None
+            if wakeable and twin.device == device_key:
+                wake = twin
+            elif wakeable or twin.state not in _NOT_SERVING:
+                return []
+            else:
+                return [
+                    f"{device_key}: {label} is already resident on {twin.device} ({twin.state})"
+                ]
+        budget = self._budget(config, device_key, label, wake)
         if isinstance(budget, str):
-            return budget
-        required, clash = self._unit_clash(config, device_key)
+            return [budget]
+        required, clash = self._unit_clash(config, device_key, wake)
         if clash is not None:
-            return f"{device_key}: {clash}"
-        port_owners, clash = self._port_clash(device_key)
+            return [f"{device_key}: {clash}"]
+        port_owners, clash = self._port_clash(device_key, wake)
         if clash is not None:
-            return f"{device_key}: {clash}"
+            return [f"{device_key}: {clash}"]
         required += [r for r in port_owners if r not in required]
         gpu_need = budget.gpu_need
-        host_need = (config.host_rss_mib or 0.0) - budget.host_room
+        host_rss = 0.0 if wake else config.host_rss_mib or 0.0
+        host_need = host_rss - budget.host_room
         if budget.fits_alongside and host_need <= _EPSILON_MIB and not required:
-            return Option(
-                OptionKind.LOAD_ALONGSIDE,
-                self.model.key,
-                config.key,
-                device_key,
-                budget.cost,
-                affinity_match=affinity_match(self.model, device_key, self.task),
-            )
-        return self._displace(config, label, budget, required, gpu_need, host_need)
+            if wake is not None:
+                return [self._option(OptionKind.WAKE, config, budget, ())]
+            return [
+                Option(
+                    OptionKind.LOAD_ALONGSIDE,
+                    self.model.key,
+                    config.key,
+                    device_key,
+                    budget.cost,
+                    affinity_match=affinity_match(self.model, device_key, self.task),
+                    expected_s=envelope_figure(config, "cold_start_s"),
+                )
+            ]
+        kind = OptionKind.WAKE if wake is not None else OptionKind.DISPLACE
+        return self._displace(config, label, budget, required, gpu_need, host_need, kind)
+
+    def _option(
+        self,
+        kind: OptionKind,
+        config: Config,
+        budget: _Budget,
+        victims: tuple[Victim, ...],
+        form_rank: float = 0.0,
+    ) -> Option:
+        return Option(
+            kind,
+            self.model.key,
+            config.key,
+            budget.device.key,
+            budget.cost,
+            victims,
+            expected_s=self._expected_s(kind, config, victims),
+            form_rank=form_rank,
+        )
+
+    def _expected_s(
+        self, kind: OptionKind, config: Config, victims: Sequence[Victim]
+    ) -> float | None:
+        """The switch's expected seconds from the envelopes: each victim's ``stop_s``
+        (``sleep_s`` when paused), then the new one's ``cold_start_s`` (``wake_s`` for
+        a wake); ``None`` when any figure is unmeasured."""
+        total = envelope_figure(config, "wake_s" if kind is OptionKind.WAKE else "cold_start_s")
+        for victim in victims:
+            resident_config = self.model_config(victim.model, victim.config)
+            figure = "sleep_s" if victim.action == "pause" else "stop_s"
+            part = envelope_figure(resident_config, figure)
+            if total is None or part is None:
+                return None
+            total += part
+        return total
+
+    def model_config(self, model_key: str, config_key: str) -> Config | None:
+        model = self.registry.models.get(model_key)
+        return model.configs.get(config_key) if model is not None else None
 
     def _same_config_resident(self, config: Config) -> Resident | None:
         return next(
@@ -525,7 +721,9 @@ class _Search:
             None,
         )
 
-    def _budget(self, config: Config, device_key: str, label: str) -> _Budget | str:
+    def _budget(
+        self, config: Config, device_key: str, label: str, wake: Resident | None = None
+    ) -> _Budget | str:
         device = self.registry.devices.get(device_key)
         if device is None:
             return f"{device_key}: not a device in the registry"
@@ -552,7 +750,7 @@ class _Search:
         host_reading = self.inp.readings.get(host.key)
         if host_reading is None or host_reading.source is ProbeSource.ABSENT:
             return f"{host.key}: no host RAM reading; {label} on {device_key} cannot be checked"
-        on_device = tuple(r for r in self.inp.residents if r.device == device_key)
+        on_device = tuple(r for r in self.inp.residents if r.device == device_key and r != wake)
         if device.kind is DeviceKind.GPU:
             unknown = [r.signature for r in on_device if r.gpu_mib is None]
             if unknown:
@@ -562,7 +760,9 @@ class _Search:
                 )
         return _Budget(device, host, host_reading.free_mib, cost, on_device)
 
-    def _unit_clash(self, config: Config, device_key: str) -> tuple[list[Resident], str | None]:
+    def _unit_clash(
+        self, config: Config, device_key: str, wake: Resident | None = None
+    ) -> tuple[list[Resident], str | None]:
         """Residents that must go because they run the candidate's unit, or a unit it can
         never be resident with (a ``Conflicts=`` edge: systemd would stop it anyway, so it
         is a victim the operator sees, never a silent ``load_alongside``); or why not."""
@@ -574,6 +774,8 @@ class _Search:
         edges = self._edges[unit]
         required: list[Resident] = []
         for resident in self.inp.residents:
+            if resident == wake:
+                continue
             if resident.unit == unit:
                 what, link = f"unit {unit} already runs {resident.signature}", "which"
             elif resident.unit is not None and resident.unit in edges:
@@ -589,7 +791,9 @@ class _Search:
             required.append(resident)
         return required, None
 
-    def _port_clash(self, device_key: str) -> tuple[list[Resident], str | None]:
+    def _port_clash(
+        self, device_key: str, wake: Resident | None = None
+    ) -> tuple[list[Resident], str | None]:
         """Behind a single-upstream proxy (``proxy.single_upstream``) one engine at a time
         owns the port: every resident on it must go, so a load is never ``load_alongside``
         while one is resident (:mod:`uapplace.topology`). A resident with no endpoint
@@ -600,6 +804,8 @@ class _Search:
             return [], None
         required: list[Resident] = []
         for resident in self.inp.residents:
+            if resident == wake:
+                continue
             if resident.endpoint is not None and not same_endpoint(resident.endpoint, upstream):
                 continue
             what = f"{resident.signature} owns the single upstream {upstream}"
@@ -634,7 +840,8 @@ class _Search:
         required: list[Resident],
         gpu_need: float,
         host_need: float,
-    ) -> Option | str:
+        kind: OptionKind = OptionKind.DISPLACE,
+    ) -> list[Option | str]:
         notes = []
         items = []
         for resident in budget.on_device:
@@ -650,15 +857,72 @@ class _Search:
             _ceil_mib(host_need) - sum(it.host_mib for it in forced),
         )
         if found is None:
-            host_rss = config.host_rss_mib or 0.0
-            return self._no_room(label, budget, items + forced, gpu_need, host_rss, notes)
+            host_rss = 0.0 if kind is OptionKind.WAKE else config.host_rss_mib or 0.0
+            return [self._no_room(label, budget, items + forced, gpu_need, host_rss, notes)]
         chosen = sorted(
             (it.resident for it in (*forced, *found)), key=lambda r: (r.signature, r.device)
         )
         victims = tuple(victim_of(self.registry, r, self.inp.inflight_known) for r in chosen)
-        return Option(
-            OptionKind.DISPLACE, self.model.key, config.key, budget.device.key, budget.cost, victims
+        stop_form = self._option(kind, config, budget, victims, form_rank=1.0)
+        paused = self._pause_form(label, budget, chosen, required, gpu_need, host_need)
+        if paused is None:
+            return [stop_form]
+        if isinstance(paused, str):
+            return [stop_form, paused]
+        pause_form = self._option(kind, config, budget, paused, form_rank=0.0)
+        stop_rank, pause_rank = _form_ranks(victims, paused)
+        return [replace(stop_form, form_rank=stop_rank), replace(pause_form, form_rank=pause_rank)]
+
+    def _pause_form(
+        self,
+        label: str,
+        budget: _Budget,
+        chosen: Sequence[Resident],
+        required: Sequence[Resident],
+        gpu_need: float,
+        host_need: float,
+    ) -> tuple[Victim, ...] | str | None:
+        """The same victims, each paused where it can be (issue 12), or why that does
+        not fit, or ``None`` when none can be paused.
+
+        A victim that must go because it runs the candidate's unit, or owns the single
+        upstream, is always stopped (a paused engine keeps its unit and its port). The
+        form is checked on both devices: the GPU MiB the pauses free (the envelope's
+        ``sleep_freed_mib`` when measured) plus the stops must still cover the need,
+        and a level-1 pause moves weights into host RAM, so the host-RAM gate counts
+        them (:func:`pause_figures`). It is the stop form's victim set, not a new
+        search: the two forms differ only in what happens to each victim.
+        """
+        actions: list[VictimAction] = [
+            "pause" if r not in required and pause_level(self.registry, r) is not None else "stop"
+            for r in chosen
+        ]
+        if "pause" not in actions:
+            return None
+        victims = tuple(
+            victim_of(self.registry, r, self.inp.inflight_known, action)
+            for r, action in zip(chosen, actions, strict=True)
         )
+        what = f"{budget.device.key}: pausing instead of stopping ({label})"
+        freed = sum(math.floor(v.frees_mib) for v in victims)
+        if freed < _ceil_mib(gpu_need):
+            return (
+                f"{what} frees {_fmt(freed)} MiB, {_fmt(gpu_need)} MiB needed (the paused "
+                "engines keep the rest)"
+            )
+        stopped_host = sum(
+            r.host_rss_mib or 0.0 for r, a in zip(chosen, actions, strict=True) if a == "stop"
+        )
+        grows = sum(v.host_grows_mib for v in victims)
+        short = host_need + grows - stopped_host
+        if short > _EPSILON_MIB:
+            host = budget.host
+            return (
+                f"{host.key}: {what} moves {_fmt(grows)} MiB of weights into host RAM; "
+                f"{_fmt(budget.host_room)} MiB available above the {_fmt(host.reserved_mib)} MiB "
+                f"reserve is {_fmt(short)} MiB short"
+            )
+        return victims
 
     def _no_room(
         self,
@@ -695,6 +959,17 @@ class _Search:
             f"{_fmt(budget.host_room)} MiB available above the "
             f"{_fmt(host.reserved_mib)} MiB reserve (for {label} on {device.key}{freed}){suffix}"
         )
+
+
+def _form_ranks(stopped: Sequence[Victim], paused: Sequence[Victim]) -> tuple[float, float]:
+    """(stop form, pause form) ranks: the expected seconds until every victim serves
+    again (Σ ``serve_again_s``) when both forms are fully measured; otherwise the
+    documented default, pause (0) before stop (1), since a wake skips the load."""
+    stop_total = [v.serve_again_s for v in stopped]
+    pause_total = [v.serve_again_s for v in paused]
+    if None in stop_total or None in pause_total:
+        return 1.0, 0.0
+    return sum(s for s in stop_total if s is not None), sum(s for s in pause_total if s is not None)
 
 
 def _item(resident: Resident) -> EvictionItem:

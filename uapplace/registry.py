@@ -48,7 +48,9 @@ from uapplace.model import (
     DeviceIdentity,
     DeviceKind,
     DeviceReading,
+    Envelope,
     Model,
+    PauseLever,
     ProbeSource,
     Provenance,
     Registry,
@@ -226,6 +228,20 @@ class MeasuredDeviceDoc(_Doc):
     total_mib: Annotated[int, Field(ge=1)] | None = None
 
 
+class EnvelopeDoc(_Doc):
+    """A config's measured enforcement envelope (``uapplace measure --envelope``; seconds)."""
+
+    stop_s: Annotated[float, Field(ge=0)]
+    free_s: Annotated[float, Field(ge=0)]
+    cold_start_s: Annotated[float, Field(ge=0)]
+    warm_start_s: Annotated[float, Field(ge=0)]
+    sleep_s: Annotated[float, Field(ge=0)] | None = None
+    sleep_freed_mib: Mib | None = None
+    wake_s: Annotated[float, Field(ge=0)] | None = None
+    measured_at: IsoTime
+    measured_on: NonEmpty
+
+
 class MeasuredConfigDoc(_Doc):
     status: Literal["measured"] = "measured"
     resident_gpu_mib: Mib
@@ -249,6 +265,10 @@ class MeasuredConfigDoc(_Doc):
     # Start facts for enforcement's verify-up bound (enforce.Timeouts.verify_up_bound).
     start_s: Seconds | None = None
     start_timeout_s: Seconds | None = None
+    # The engine's in-process pause lever (model.PauseLever; issue 12), declared, not measured.
+    pause_lever: PauseLever | None = None
+    # The measured enforcement envelope (machine-local; measure.py, enforce.Timeouts).
+    envelope: EnvelopeDoc | None = None
 
 
 class UnmeasuredConfigDoc(_Doc):
@@ -256,6 +276,7 @@ class UnmeasuredConfigDoc(_Doc):
     unit: UnitName | None = None
     endpoint: Endpoint | None = None
     start_timeout_s: Seconds | None = None
+    pause_lever: PauseLever | None = None
 
 
 def _config_tag(raw: Any) -> str:
@@ -421,6 +442,7 @@ def _config(
             endpoint=doc.endpoint,
             provenance=origin,
             start_timeout_s=doc.start_timeout_s,
+            pause_lever=doc.pause_lever,
         )
     return Config(
         key=key,
@@ -442,8 +464,16 @@ def _config(
         engine_build=doc.engine_build,
         untrusted=_untrusted(doc, origin, src, model_build),
         start_s=doc.start_s,
+        envelope=_envelope(doc.envelope),
         start_timeout_s=doc.start_timeout_s,
+        pause_lever=doc.pause_lever,
     )
+
+
+def _envelope(doc: EnvelopeDoc | None) -> Envelope | None:
+    if doc is None:
+        return None
+    return Envelope(**doc.model_dump())
 
 
 def _identity(doc: MeasuredDeviceDoc | None) -> DeviceIdentity | None:
@@ -734,6 +764,8 @@ def provenance_rows(load: RegistryLoad) -> list[dict[str, str]]:
             entry = json_path(("models", model.key, "configs", config.key))
             add("config", entry, "*", config.provenance)
             rows[-1]["measurement"] = measurement_status(config)
+            if config.envelope is not None:
+                rows[-1]["envelope"] = envelope_summary(config.envelope)
     return rows
 
 
@@ -755,6 +787,83 @@ def write_local_measurement(
     configs = _object_at(models[model], ("models", model, "configs"), local_path)
     configs[config] = dict(fields)
     _replace_local(local_path, doc)
+
+
+def write_local_envelope(
+    local_path: Path, model: str, config: str, envelope: Mapping[str, Any]
+) -> None:
+    """Record one config's enforcement envelope in the machine-local file.
+
+    The envelope sits inside the config's local entry, which must already hold this
+    machine's footprint (``uapplace measure MODEL CONFIG`` first): an envelope without
+    a footprint could not place anything, and writing a config entry here would replace
+    the repo's entry whole. Same validation and atomicity as
+    :func:`write_local_measurement`. Raises :class:`ConfigFileError` naming the entry.
+    """
+    doc = _read_for_update(local_path)
+    entry = ((doc.get("models") or {}).get(model) or {}).get("configs", {}).get(config)
+    where = json_path(("models", model, "configs", config))
+    if not isinstance(entry, dict) or _config_tag(entry) != "measured":
+        raise ConfigFileError(
+            local_path,
+            where,
+            f"no machine-local footprint for {model}/{config}: run `uapplace measure "
+            f"{model} {config}` while it runs, then measure its envelope",
+        )
+    entry["envelope"] = dict(envelope)
+    _replace_local(local_path, doc)
+
+
+ENVELOPE_MAX_AGE_DAYS = 30.0
+"""An envelope older than this is flagged stale by ``validate``: a driver, engine or
+disk change in a month moves start times, and re-measuring costs one planned downtime.
+Still used (a stale envelope beats the blind defaults); the flag asks for a re-measure."""
+
+
+def envelope_summary(envelope: Envelope) -> str:
+    """One line for ``validate``: ``stop 2s · memory back 2.5s · cold start 20s · …``."""
+    parts = [
+        f"stop {envelope.stop_s:g}s",
+        f"memory back {envelope.free_s:g}s",
+        f"cold start {envelope.cold_start_s:g}s",
+        f"warm start {envelope.warm_start_s:g}s",
+    ]
+    if envelope.sleep_s is not None:
+        freed = envelope.sleep_freed_mib
+        parts.append(f"sleep {envelope.sleep_s:g}s" + (f" frees {freed:,.0f} MiB" if freed else ""))
+    if envelope.wake_s is not None:
+        parts.append(f"wake {envelope.wake_s:g}s")
+    return f"{' · '.join(parts)} (measured {envelope.measured_at} on {envelope.measured_on})"
+
+
+def envelope_staleness(
+    config: Config, now: float, max_age_days: float = ENVELOPE_MAX_AGE_DAYS
+) -> str | None:
+    """Why ``config``'s envelope is stale (for ``validate``), ``None`` when it is fresh or
+    absent. Stale: measured before the config's footprint (the footprint was re-measured,
+    so the engine or its flags may have changed since), on another device than the
+    footprint, or more than ``max_age_days`` ago."""
+    envelope = config.envelope
+    if envelope is None:
+        return None
+    taken = parse_iso(envelope.measured_at)
+    if config.measured_at is not None and taken < parse_iso(config.measured_at):
+        return (
+            f"envelope measured {envelope.measured_at}, before the footprint "
+            f"({config.measured_at}): re-measure with `uapplace measure --envelope`"
+        )
+    if config.measured_on is not None and envelope.measured_on != config.measured_on:
+        return (
+            f"envelope measured on {envelope.measured_on}, the footprint on "
+            f"{config.measured_on}: re-measure with `uapplace measure --envelope`"
+        )
+    age_days = (now - taken) / 86400
+    if age_days > max_age_days:
+        return (
+            f"envelope is {age_days:.0f} days old (measured {envelope.measured_at}; stale "
+            f"after {max_age_days:g}): re-measure with `uapplace measure --envelope`"
+        )
+    return None
 
 
 def write_local_device(local_path: Path, device: str, fields: Mapping[str, Any]) -> None:

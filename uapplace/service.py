@@ -77,6 +77,7 @@ _OUT_NAMES: dict[str, tuple[str, ...]] = {
     "WriteUnits": ("written",),
     "CheckUnits": ("stale",),
     "Measure": ("result_json",),
+    "MeasureEnvelope": ("result_json",),
     "Validate": ("findings_json",),
     "GetAutoPolicy": ("policy_json",),
     "SetAutoPolicy": ("policy_json",),
@@ -210,11 +211,10 @@ class PlacementInterface(ServiceInterface):
         return to_json_text(await self._guard(self._controller.state_json()))
 
     @dbus_method()
-    def ListPending(self) -> DBusStr:
-        try:
-            return to_json_text(self._controller.pending_json())
-        except Exception as err:
-            raise as_dbus_error(err) from None
+    async def ListPending(self) -> DBusStr:
+        """Holders and in-flight work are read at call time (the proxy's list, bounded
+        by its client timeout), so this awaits; it never blocks the loop."""
+        return to_json_text(await self._guard(self._controller.pending_live_json()))
 
     @dbus_method()
     async def Preview(self, model: DBusStr, cells: DBusUInt32) -> DBusStr:
@@ -289,6 +289,16 @@ class PlacementInterface(ServiceInterface):
         async def run() -> Any:
             await self._authorize(Action.MEASURE)
             return await self._controller.measure(model, config)
+
+        return to_json_text(await self._guard(run()))
+
+    @dbus_method()
+    async def MeasureEnvelope(self, model: DBusStr, config: DBusStr) -> DBusStr:
+        """Takes the backend down and up to time it (the caller asked the operator)."""
+
+        async def run() -> Any:
+            await self._authorize(Action.MEASURE)
+            return await self._controller.measure_envelope(model, config)
 
         return to_json_text(await self._guard(run()))
 

@@ -96,7 +96,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -109,7 +109,7 @@ from uapplace.client import PlacementClient, PlacementError, bus_daemon_message,
 from uapplace.events import EventError, EventLog
 from uapplace.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from uapplace.metrics import ShimMetrics
-from uapplace.model import DEFAULT_CELLS
+from uapplace.model import DEFAULT_CELLS, PAUSE_SUFFIX
 from uapplace.paths import BUS_NAME, Paths
 from uapplace.peer import connect_peer
 from uapplace.shim_events import EventFeed, stream_events
@@ -298,6 +298,8 @@ class VictimRefBody(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: BusText
     config: BusText
+    action: Literal["stop", "pause"] = "stop"
+    """A preview victim's ``action`` (issue 12): approving a pause is not approving a stop."""
 
 
 class ResolveBody(_Body):
@@ -339,7 +341,10 @@ def signature_of(refs: list[VictimRefBody] | None) -> list[str]:
     call that would stop something then comes back ``Drifted`` (409), and the
     error says ``expected_victims`` is required (:data:`MISSING_SIGNATURE`).
     """
-    return [] if refs is None else sorted(f"{v.model}/{v.config}" for v in refs)
+    if refs is None:
+        return []
+    suffix = {"stop": "", "pause": PAUSE_SUFFIX}
+    return sorted(f"{v.model}/{v.config}{suffix[v.action]}" for v in refs)
 
 
 class AutoBody(_Body):

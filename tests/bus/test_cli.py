@@ -151,6 +151,7 @@ def test_dismiss(daemon: DaemonProcess) -> None:
     [
         (("load", "alpha"), "Load"),
         (("measure", "alpha"), "Measure"),
+        (("measure", "--envelope", "alpha", "--yes"), "MeasureEnvelope"),
     ],
 )
 def test_enforcement_commands_without_a_user_manager(
@@ -159,6 +160,17 @@ def test_enforcement_commands_without_a_user_manager(
     done = run_cli(daemon.uap, *args)
     assert done.returncode == 1
     assert f"{method} is not available: it needs the systemd user manager" in done.stderr
+
+
+def test_measure_envelope_without_yes_says_what_it_does_and_refuses(
+    daemon: DaemonProcess,
+) -> None:
+    done = run_cli(daemon.uap, "measure", "--envelope", "alpha")
+    assert done.returncode == 1
+    assert "measure --envelope takes the backend down" in done.stderr
+    assert "1. stop uap-alpha: alpha goes down" in done.stderr
+    assert "Run again with --yes" in done.stderr
+    assert "is not available" not in done.stderr, "nothing reached the daemon"
 
 
 def test_load_shows_the_impact_before_the_daemon_refuses(daemon: DaemonProcess) -> None:

@@ -185,7 +185,10 @@ def test_the_demo_walks_through_a_park_and_an_applied_swap(
     assert "coder-7b: forward → gpu0:http://127.0.0.1:" in out
     assert f"options for writer-13b ({placement_id})" in out
     assert "stops coder-7b/q4_k_m: session idle, context lost, reload needed" in out
-    assert f"The operator says yes: `uapplace apply {placement_id} 1`" in out
+    # The engines can sleep (issue 12): option 1 pauses coder-7b, option 2 stops it;
+    # the walkthrough's first switch is the stop and start one.
+    assert "pauses coder-7b/q4_k_m: session idle, context lost; paused" in out
+    assert f"The operator says yes: `uapplace apply {placement_id} 2`" in out
 
     shown = [m.group(1) for m in re.finditer(r"^\s+✓ ([a-z-]+)  ", out, re.MULTILINE)]
     assert shown == STEPS, out
@@ -197,6 +200,9 @@ def test_the_demo_walks_through_a_park_and_an_applied_swap(
     retry = out[out.index("The client retries") :]
     assert "writer-13b: forward → gpu0:http://127.0.0.1:" in retry
     assert "/v1/chat/completions → 'Hello from writer-13b.'" in retry
+    paused = out[out.index("Pause instead of stop") :]
+    assert "writer-13b woken, pausing coder-7b:" in paused
+    assert "pause coder-7b, wake writer-13b" in paused
     assert "demo finished; nothing left behind" in out
 
     assert_nothing_left(run, run.sandbox())

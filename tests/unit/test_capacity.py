@@ -332,12 +332,29 @@ def test_unknown_affinity_device_is_an_error(tmp_path: Path) -> None:
     assert finding.severity == "error"
 
 
-def test_measured_on_a_cpu_is_an_error(tmp_path: Path) -> None:
+def test_measured_on_the_host_is_accepted(tmp_path: Path) -> None:
+    """Issue 12's CPU tier: a CPU-only engine is measured on ``cpu0`` (host RAM only)."""
     registry = registry_doc()
     config_of(registry, GEMMA)["measured_on"] = "cpu0"
-    finding = only(run(tmp_path, registry), config_path(GEMMA, "measured_on"))
-    assert finding.severity == "error"
-    assert "not a GPU" in finding.message
+    config_of(registry, GEMMA)["resident_gpu_mib"] = 0
+    findings = run(tmp_path, registry)
+    assert not [f for f in findings if f.json_path == config_path(GEMMA, "measured_on")]
+
+
+def test_stale_envelope_is_a_warning(tmp_path: Path) -> None:
+    registry = registry_doc()
+    config = config_of(registry, GEMMA)
+    config["envelope"] = {
+        "stop_s": 1.0,
+        "free_s": 1.2,
+        "cold_start_s": 9.0,
+        "warm_start_s": 4.0,
+        "measured_at": "2000-01-01T00:00:00Z",
+        "measured_on": config["measured_on"],
+    }
+    finding = only(run(tmp_path, registry), config_path(GEMMA, "envelope"))
+    assert finding.severity == "warning"
+    assert "before the footprint" in finding.message
 
 
 def test_measured_on_missing_is_an_error(tmp_path: Path) -> None:

@@ -687,8 +687,9 @@ def test_preview_consequence_per_victim_state() -> None:
     victim_json = option.to_json()["victims"][0]
     assert set(victim_json) == {
         "model", "config", "state", "device", "holders", "in_flight", "frees_mib",
-        "consequence", "reload_mib",
+        "consequence", "reload_mib", "action", "serve_again_s",
     }  # fmt: skip
+    assert victim_json["action"] == "stop"
 
 
 def test_in_flight_is_unknown_when_the_proxy_did_not_answer() -> None:

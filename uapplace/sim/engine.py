@@ -8,6 +8,7 @@
         [--fail-route slots|props|metrics ...]
         [--fail-at-start] [--never-healthy] [--wrong-id]
         [--orphan --orphan-pidfile PATH [--orphan-lifetime 120]]
+        [--sleep-mode [--sleep-delay S] [--wake-delay S] [--offload-mib N] [--fail-wake]]
 
 HTTP, like ``llama-server``: while loading, ``/health`` answers 503
 ``{"status": "loading model"}`` and every other route 503 too; then ``/health``
@@ -36,6 +37,24 @@ simulated GPU named by ``UAPPLACE_SIM_GPU`` (nothing when that is unset) and
 releases it at exit (SIGTERM and SIGINT exit cleanly with 0). A claim that does
 not fit exits 1, as a failed ``cudaMalloc`` would. ``--host-mib`` touches that
 much host memory so the process RSS shows it.
+
+Sleep mode (``--sleep-mode``, vLLM's ``--enable-sleep-mode`` with
+``VLLM_SERVER_DEV_MODE=1``), vLLM's API against the simulated GPU:
+
+- ``POST /sleep?level=1``: releases the GPU claim; the weights go to host RAM, so
+  the host memory stays (``--host-mib``) and ``--offload-mib`` more is touched
+  (the weights' copy). ``level=2``: releases the GPU claim and drops the host
+  memory too (weights discarded). Answers 200 with an empty body after
+  ``--sleep-delay`` seconds, once the memory is released; 400 for another level,
+  503 while loading. Sleeping again is a no-op (2 after 1 drops the host copy).
+- ``POST /wake_up``: after ``--wake-delay`` seconds claims ``--mib`` again (and
+  re-touches the host memory level 2 dropped), then answers 200. With
+  ``--fail-wake``, or when the claim does not fit, it answers 500 and stays
+  asleep. Waking an engine that is awake is a no-op 200.
+- ``GET /is_sleeping``: ``{"is_sleeping": bool}``.
+- While sleeping (and waking) ``/health`` stays 200 and ``/v1/models`` still
+  lists the model, as vLLM does; ``/v1/chat/completions`` answers 503.
+- Without ``--sleep-mode`` the three routes answer 404, like vLLM without them.
 
 Failure injection: ``--fail-at-start`` exits 1 before claiming anything;
 ``--never-healthy`` stays 503; ``--wrong-id`` serves a wrong id;
@@ -75,6 +94,7 @@ ENGINE_NAME = "uapplace-sim"
 SIM_GPU_ENV = "UAPPLACE_SIM_GPU"
 READY_PREFIX = "uapplace-sim-engine listening on "
 FAILABLE_ROUTES = ("slots", "props", "metrics")
+MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -98,6 +118,11 @@ class EngineOptions:
     orphan: bool = False
     orphan_pidfile: Path | None = None
     orphan_lifetime: float = 120.0
+    sleep_mode: bool = False
+    sleep_delay: float = 0.0
+    wake_delay: float = 0.0
+    offload_mib: int = 0
+    fail_wake: bool = False
 
     @property
     def served_ids(self) -> list[str]:
@@ -110,16 +135,71 @@ class EngineOptions:
         return f"uapplace.sim.engine {self.model_id}"
 
 
+class EngineMemory:
+    """What the engine process holds: its claim on the simulated GPU and its host memory.
+
+    Sleep mode moves these: level 1 gives the GPU claim back and keeps (plus
+    ``--offload-mib``) host memory, level 2 gives both back, waking takes them again.
+    ``gpu`` is ``None`` when no simulated GPU is configured (nothing to claim).
+    """
+
+    def __init__(self, options: EngineOptions, gpu: SimGpu | None, pid: int) -> None:
+        self.options = options
+        self.gpu = gpu
+        self.pid = pid
+        self.gpu_claimed = False
+        self._host: bytearray | None = None
+        self._offloaded: bytearray | None = None
+
+    @property
+    def host_held_mib(self) -> int:
+        """Host MiB this object keeps resident (the ``--host-mib`` figure plus the offload)."""
+        return sum(len(b) for b in (self._host, self._offloaded) if b is not None) // MIB
+
+    def claim_gpu(self) -> None:
+        """Take ``--mib`` on ``--gpu-uuid``. Raises :class:`SimGpuError` when it does not fit."""
+        opts = self.options
+        if self.gpu is None or opts.gpu_uuid is None or opts.mib <= 0 or self.gpu_claimed:
+            return
+        self.gpu.claim(opts.gpu_uuid, self.pid, opts.mib, opts.label)
+        self.gpu_claimed = True
+
+    def release_gpu(self) -> None:
+        if self.gpu is not None:
+            self.gpu.release(self.pid)
+        self.gpu_claimed = False
+
+    def hold_host(self) -> None:
+        if self._host is None and self.options.host_mib > 0:
+            self._host = _touch_host_memory(self.options.host_mib)
+
+    def offload(self) -> None:
+        """Level 1: the weights' copy in host RAM."""
+        if self._offloaded is None and self.options.offload_mib > 0:
+            self._offloaded = _touch_host_memory(self.options.offload_mib)
+
+    def drop_host(self) -> None:
+        self._host = None
+        self._offloaded = None
+
+    def drop_offload(self) -> None:
+        self._offloaded = None
+
+
 class FakeEngine:
     """The HTTP side; :func:`serve` adds the process side (memory, signals)."""
 
-    def __init__(self, options: EngineOptions) -> None:
+    def __init__(self, options: EngineOptions, memory: EngineMemory | None = None) -> None:
         self.options = options
+        self.memory = memory or EngineMemory(options, None, os.getpid())
         self.loaded = False
         self.prompt_tokens = 0
         self.predicted_tokens = 0
         self.processing = 0
         self.started_at = int(time.time())
+        self.sleep_level: int | None = None
+        """``None`` while awake; the level of the last ``POST /sleep`` while asleep."""
+        self._sleep_lock = asyncio.Lock()
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -129,7 +209,61 @@ class FakeEngine:
         app.router.add_get("/props", self.props)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/sleep", self.sleep)
+        app.router.add_post("/wake_up", self.wake_up)
+        app.router.add_get("/is_sleeping", self.is_sleeping)
         return app
+
+    # ----------------------------------------------------------------- sleep mode
+
+    def _no_sleep_mode(self) -> web.Response | None:
+        if self.options.sleep_mode:
+            return None
+        return web.json_response({"detail": "Not Found"}, status=404)
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        """``POST /sleep?level=1|2`` (vLLM): give the memory back, answer once it is."""
+        if (missing := self._no_sleep_mode()) is not None:
+            return missing
+        if not self.loaded:
+            return self._loading()
+        raw = request.query.get("level", "1")
+        if raw not in ("1", "2"):
+            return _openai_error(400, f"level must be 1 or 2, got {raw!r}")
+        level = int(raw)
+        async with self._sleep_lock:
+            await asyncio.sleep(self.options.sleep_delay)
+            self.memory.release_gpu()
+            if level == 1 and self.sleep_level != 2:
+                self.memory.offload()
+            else:
+                self.memory.drop_host()
+            self.sleep_level = max(level, self.sleep_level or 0)
+        return web.Response(status=200)
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        """``POST /wake_up`` (vLLM): take the GPU memory again after ``--wake-delay``."""
+        if (missing := self._no_sleep_mode()) is not None:
+            return missing
+        async with self._sleep_lock:
+            if self.sleep_level is None:
+                return web.Response(status=200)
+            await asyncio.sleep(self.options.wake_delay)
+            if self.options.fail_wake:
+                return _openai_error(500, "simulated wake failure (--fail-wake)", "server_error")
+            try:
+                self.memory.claim_gpu()
+            except SimGpuError as err:
+                return _openai_error(500, f"wake_up failed: {err}", "server_error")
+            self.memory.hold_host()
+            self.memory.drop_offload()
+            self.sleep_level = None
+        return web.Response(status=200)
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        if (missing := self._no_sleep_mode()) is not None:
+            return missing
+        return web.json_response({"is_sleeping": self.sleep_level is not None})
 
     async def finish_loading(self) -> None:
         """Turn healthy after ``--load-secs`` (never with ``--never-healthy``)."""
@@ -245,6 +379,8 @@ class FakeEngine:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         if not self.loaded:
             return self._loading()
+        if self.sleep_level is not None:
+            return _openai_error(503, "the engine is sleeping (POST /wake_up)", "unavailable_error")
         try:
             body = await request.json()
         except json.JSONDecodeError:
@@ -303,9 +439,9 @@ class FakeEngine:
         return response
 
 
-def _openai_error(status: int, message: str) -> web.Response:
+def _openai_error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response(
-        {"error": {"code": status, "message": message, "type": "invalid_request_error"}},
+        {"error": {"code": status, "message": message, "type": kind}},
         status=status,
     )
 
@@ -365,9 +501,10 @@ def _fork_orphan(options: EngineOptions) -> None:
     os._exit(code)
 
 
-async def serve(options: EngineOptions) -> int:
+async def serve(options: EngineOptions, memory: EngineMemory | None = None) -> int:
     """Bind, claim, load, serve until SIGTERM/SIGINT; release on the way out."""
-    engine = FakeEngine(options)
+    memory = memory or EngineMemory(options, _sim_gpu(), os.getpid())
+    engine = FakeEngine(options, memory)
     runner = web.AppRunner(engine.app(), access_log=None)
     await runner.setup()
     try:
@@ -381,7 +518,7 @@ async def serve(options: EngineOptions) -> int:
         print(f"{READY_PREFIX}http://{host}:{port}", flush=True)
         if not options.orphan:
             try:
-                _claim(options, os.getpid())
+                memory.claim_gpu()
             except SimGpuError as err:
                 print(f"uapplace.sim.engine: GPU allocation failed: {err}", flush=True)
                 return 1
@@ -441,6 +578,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--orphan", action="store_true")
     parser.add_argument("--orphan-pidfile", type=Path)
     parser.add_argument("--orphan-lifetime", type=float, default=120.0)
+    parser.add_argument(
+        "--sleep-mode", action="store_true", help="serve vLLM's /sleep, /wake_up, /is_sleeping"
+    )
+    parser.add_argument("--sleep-delay", type=float, default=0.0, help="seconds a sleep takes")
+    parser.add_argument("--wake-delay", type=float, default=0.0, help="seconds a wake takes")
+    parser.add_argument(
+        "--offload-mib", type=int, default=0, help="host MiB a level-1 sleep adds (the weights)"
+    )
+    parser.add_argument("--fail-wake", action="store_true", help="/wake_up answers 500")
     return parser
 
 
@@ -455,12 +601,17 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         "--host-mib": args.host_mib < 0,
         "--load-secs": args.load_secs < 0,
         "--orphan-lifetime": args.orphan_lifetime <= 0,
+        "--sleep-delay": args.sleep_delay < 0,
+        "--wake-delay": args.wake_delay < 0,
+        "--offload-mib": args.offload_mib < 0,
     }
     for flag, bad in problems.items():
         if bad:
             parser.error(f"{flag}: out of range")
     if args.mib > 0 and args.gpu_uuid is None and os.environ.get(SIM_GPU_ENV):
         parser.error("--mib needs --gpu-uuid")
+    if args.sleep_mode and args.orphan:
+        parser.error("--sleep-mode: not with --orphan (the orphan child holds the claim)")
     return EngineOptions(
         port=args.port,
         host=args.host,
@@ -481,6 +632,11 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         orphan=args.orphan,
         orphan_pidfile=args.orphan_pidfile,
         orphan_lifetime=args.orphan_lifetime,
+        sleep_mode=args.sleep_mode,
+        sleep_delay=args.sleep_delay,
+        wake_delay=args.wake_delay,
+        offload_mib=args.offload_mib,
+        fail_wake=args.fail_wake,
     )
 
 
@@ -491,11 +647,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if options.orphan:
         _fork_orphan(options)
-    host_memory = _touch_host_memory(options.host_mib)
+    memory = EngineMemory(options, _sim_gpu(), os.getpid())
+    memory.hold_host()
     try:
-        return asyncio.run(serve(options))
+        return asyncio.run(serve(options, memory))
     finally:
-        del host_memory
+        memory.drop_host()
 
 
 if __name__ == "__main__":

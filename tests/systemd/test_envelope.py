@@ -1,0 +1,278 @@
+"""The measured enforcement envelope and the CPU tier on real units (issue 12).
+
+- ``measure --envelope`` on the fake engine (with vLLM's sleep API) under a real unit:
+  stop, memory back, cold and warm start, sleep, freed memory, wake; stored in the
+  machine-local registry, the daemon reloads it, the engine is left serving.
+- A never-healthy engine is rolled back within the bound its envelope gives (the
+  step details name the bound and where it came from; no timed assertion).
+- A CPU-only config: ``measure`` records it on ``cpu0`` (host RSS, no GPU memory),
+  the planner places it against host RAM, and it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.systemd.conftest import UnitFiles
+from tests.systemd.placement_world import (
+    ALPHA_MIB,
+    FAST,
+    GUARD_S,
+    World,
+    build_world,
+    close_world,
+)
+from uapplace import engines
+from uapplace.enforce import Timeouts
+from uapplace.measure import MeasurementRefused
+from uapplace.model import Envelope
+from uapplace.sim.gpu import SimGpu
+from uapplace.units import UnitManager
+
+pytestmark = pytest.mark.systemd
+
+LOAD_SECS = 0.3
+"""The world's engines load this long (``--load-secs``): a start can never be quicker."""
+WAKE_DELAY = 0.2
+
+
+@pytest.fixture
+def world_options(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return dict(getattr(request, "param", {}))
+
+
+@pytest.fixture
+async def world(
+    tmp_path: Path,
+    units: UnitManager,
+    unit_files: UnitFiles,
+    sim_gpu: SimGpu,
+    world_options: dict[str, Any],
+) -> AsyncIterator[World]:
+    built = await build_world(tmp_path, units, unit_files, sim_gpu, **world_options)
+    try:
+        yield built
+    finally:
+        await close_world(built)
+
+
+def local_doc(world: World) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(world.paths.local_registry.read_text(encoding="utf-8"))
+    return doc
+
+
+def edit_local_config(world: World, model: str, config: str, **fields: Any) -> None:
+    doc = local_doc(world)
+    doc["models"][model]["configs"][config].update(fields)
+    world.paths.local_registry.write_text(json.dumps(doc), encoding="utf-8")
+
+
+def step(result: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(s for s in result["steps"] if s["name"] == name)
+
+
+# --------------------------------------------------------------------------- measured
+
+
+@pytest.mark.parametrize(
+    "world_options",
+    [{"alpha_args": ["--sleep-mode", "--wake-delay", str(WAKE_DELAY)]}],
+    indirect=True,
+)
+async def test_envelope_is_measured_on_the_fake_engine_and_stored(world: World) -> None:
+    edit_local_config(world, "alpha", "a1", pause_lever="vllm-sleep-1")
+    assert await world.controller.reload()
+    async with asyncio.timeout(GUARD_S):
+        await world.start_alpha()
+        first_pid = (await world.units.state(world.alpha.name)).main_pid
+
+        result = await world.controller.measure_envelope("alpha", "a1")
+
+    written = local_doc(world)["models"]["alpha"]["configs"]["a1"]
+    envelope = written["envelope"]
+    assert envelope == result["envelope"]
+    assert envelope["measured_on"] == "gpu0"
+    assert envelope["measured_at"] >= written["measured_at"]
+    # Each figure is what the engine's own delays make it at least (never an upper bound).
+    assert envelope["free_s"] >= envelope["stop_s"] > 0
+    assert envelope["cold_start_s"] >= LOAD_SECS and envelope["warm_start_s"] >= LOAD_SECS
+    assert envelope["wake_s"] >= WAKE_DELAY and envelope["sleep_s"] > 0
+    assert envelope["sleep_freed_mib"] == ALPHA_MIB, "the probe saw the whole claim freed"
+    # The footprint next to it is kept whole (pause lever included).
+    assert (written["resident_gpu_mib"], written["pause_lever"]) == (ALPHA_MIB, "vllm-sleep-1")
+
+    # The daemon re-read the local file: the envelope is in force.
+    config = world.controller.load.registry.models["alpha"].configs["a1"]
+    assert config.envelope == Envelope(**envelope)
+    # Left serving: a new process (two restarts), awake, holding its memory, hot again.
+    async with asyncio.timeout(GUARD_S):
+        await world.events.until(lambda: world.state_of("alpha") == "hot")
+    state = await world.units.state(world.alpha.name)
+    assert state.active_state == "active" and state.main_pid != first_pid
+    assert [(a.pid, a.used_mib) for a in world.sim.read().allocations] == [
+        (state.main_pid, ALPHA_MIB)
+    ]
+    report = await world.controller.validate()
+    rows = [r for r in report["provenance"] if r.get("envelope")]
+    assert [r["entry"] for r in rows] == ["$.models.alpha.configs.a1"]
+    assert "wake " in rows[0]["envelope"]
+
+
+async def test_envelope_needs_the_footprint_first(world: World) -> None:
+    doc = local_doc(world)
+    del doc["models"]["alpha"]
+    world.paths.local_registry.write_text(json.dumps(doc), encoding="utf-8")
+    assert await world.controller.reload()
+    async with asyncio.timeout(GUARD_S):
+        await world.units.start_unit(world.alpha.name, GUARD_S)
+        with pytest.raises(MeasurementRefused, match=r"run `uapplace measure alpha a1` first"):
+            await world.controller.measure_envelope("alpha", "a1")
+    assert (await world.units.state(world.alpha.name)).active_state == "active", "untouched"
+
+
+@pytest.mark.parametrize(
+    "world_options", [{"alpha_args": ["--sleep-mode", "--fail-wake"]}], indirect=True
+)
+async def test_a_failing_wake_writes_nothing_and_leaves_the_engine_serving(world: World) -> None:
+    edit_local_config(world, "alpha", "a1", pause_lever="vllm-sleep-2")
+    assert await world.controller.reload()
+    before = world.paths.local_registry.read_text(encoding="utf-8")
+    async with asyncio.timeout(GUARD_S):
+        await world.start_alpha()
+        with pytest.raises(MeasurementRefused, match=r"wake: .*--fail-wake.*restarted and serving"):
+            await world.controller.measure_envelope("alpha", "a1")
+        await world.events.until(lambda: world.state_of("alpha") == "hot")
+    assert world.paths.local_registry.read_text(encoding="utf-8") == before
+    held = [a.used_mib for a in world.sim.read().allocations]
+    assert held == [ALPHA_MIB]
+
+
+# --------------------------------------------------------------------------- the bound
+
+
+ENVELOPED = Timeouts(
+    **{
+        **FAST.to_json(),
+        "verify_up_s": 600.0,
+        "drain_s": 600.0,
+        "verify_free_s": 600.0,
+        "measured_start_margin_s": 1.0,
+        "measured_start_floor_s": 2.0,
+        "verify_free_floor_s": 1.0,
+        "verify_free_margin_s": 1.0,
+        "drain_floor_s": 1.0,
+    }
+)
+"""The global waits are ten minutes: only the envelope-derived bounds can end this run."""
+
+
+def recorded(cold_start_s: float) -> dict[str, Any]:
+    return {
+        "stop_s": 0.5,
+        "free_s": 0.75,
+        "cold_start_s": cold_start_s,
+        "warm_start_s": cold_start_s,
+        "measured_at": "2026-10-08T15:00:00Z",
+        "measured_on": "gpu0",
+    }
+
+
+@pytest.mark.parametrize(
+    "world_options", [{"beta_args": ["--never-healthy"], "timeouts": ENVELOPED}], indirect=True
+)
+async def test_a_never_healthy_engine_is_rolled_back_within_its_envelope_bound(
+    world: World,
+) -> None:
+    edit_local_config(world, "alpha", "a1", envelope=recorded(0.4))
+    edit_local_config(world, "beta", "b1", envelope=recorded(1.0))
+    assert await world.controller.reload()
+    async with asyncio.timeout(GUARD_S):
+        await world.start_alpha()
+        entry = await world.park("beta")
+        result = await world.enforcer.apply(entry, 1, ["alpha/a1"])
+
+    assert result["ok"] is False and result["rolledBack"] is True, result
+    # drain: 2 × (stop alpha 0.5 s + start beta 1 s) = 3 s.
+    assert (
+        "bound 3s (switch 1.5s (stop alpha/a1 0.5s + start beta/b1 1s): max(1s, 2 × 1.5s))"
+        in (step(result, "drain")["detail"])
+    )
+    # verify-free: alpha's memory came back 0.25 s after its stop: max(1, 3 × 0.25 + 1).
+    assert (
+        "bound 1.75s (alpha/a1 memory back 0.25s after its stop"
+        in (step(result, "verify-free")["detail"])
+    )
+    verify = step(result, "verify-up")
+    assert verify["ok"] is False
+    assert f"{world.beta.name} not healthy after 4s" in verify["detail"]
+    assert "bound 4s (beta/b1 envelope cold start 1s: max(2s, 3 × 1s + 1s))" in verify["detail"]
+    rollback = step(result, "rollback-verify")
+    assert rollback["ok"] is True, rollback
+    async with asyncio.timeout(GUARD_S):
+        await world.events.until(lambda: world.state_of("alpha") == "hot")
+    assert world.state_of("beta") is None
+
+
+# --------------------------------------------------------------------------- CPU tier
+
+
+async def test_a_cpu_only_config_is_measured_on_cpu0_placed_and_served(
+    world: World, unit_files: UnitFiles
+) -> None:
+    gamma = unit_files.engine(
+        "gamma", "gamma", None, engine_args=["--load-secs", str(LOAD_SECS), "--host-mib", "32"]
+    )
+    await world.units.reload()
+    repo = json.loads(world.paths.repo_registry.read_text(encoding="utf-8"))
+    repo["models"]["gamma"] = {
+        "display": "Gamma (CPU)",
+        "engine": "llama.cpp",
+        "unit": gamma.name,
+        "endpoint": gamma.endpoint,
+        "configs": {"c1": {"status": "unmeasured"}},
+    }
+    world.paths.repo_registry.write_text(json.dumps(repo), encoding="utf-8")
+    assert await world.controller.reload()
+
+    async with asyncio.timeout(GUARD_S):
+        await world.start_alpha()
+        assert (await world.units.start_unit(gamma.name, GUARD_S)).ok
+        assert await engines.wait_healthy(gamma.endpoint, time.monotonic() + GUARD_S)
+        measured = await world.controller.measure("gamma", "c1")
+    written = local_doc(world)["models"]["gamma"]["configs"]["c1"]
+    assert (written["measured_on"], written["resident_gpu_mib"]) == ("cpu0", 0.0)
+    assert written["host_rss_mib"] >= 32, "the unit's RSS, host memory included"
+    assert measured["device"]["kind"] == "cpu"
+    report = await world.controller.validate()
+    assert not [f for f in report["findings"] if "configs.c1" in f["json_path"]], report
+    assert report["ok"] is True, report["findings"]
+
+    async with asyncio.timeout(GUARD_S):
+        assert (await world.units.stop_unit(gamma.name, GUARD_S)).ok
+        await world.events.until(lambda: world.state_of("gamma") is None)
+        preview = await world.controller.preview("gamma", 0)
+        first = preview["options"][0]
+        # On the host, alongside alpha: no GPU memory, nothing displaced.
+        assert (first["kind"], first["device"], first["cost_mib"]) == ("load_alongside", "cpu0", 0)
+        result = await world.enforcer.load("gamma", [])
+    assert result["ok"] is True, result
+    assert world.state_of("alpha") == "hot", "alpha was not touched"
+    decision = world.controller.admit("gamma", "client-1", "", 0)
+    assert (decision.decision, decision.target_id) == ("forward", f"cpu0:{gamma.endpoint}")
+    body = {"model": "gamma", "messages": [{"role": "user", "content": "hi"}]}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{gamma.endpoint}/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status == 200
+        assert "gamma" in (await response.json())["choices"][0]["message"]["content"]
+    async with asyncio.timeout(GUARD_S):
+        assert (await world.units.stop_unit(gamma.name, GUARD_S)).ok

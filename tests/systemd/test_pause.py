@@ -1,0 +1,191 @@
+"""Executable pause on a contained systemd --user (issue 12): the fake engine's vLLM sleep
+API against the simulated GPU, driven by the real controller's enforcement.
+
+The machine of :mod:`tests.systemd.placement_world`: ``alpha`` (14,000 MiB) resident,
+``beta`` (16,000 MiB) needing its place on one 24 GiB card. Both engines run with
+``--sleep-mode`` and both configs declare ``pause_lever: vllm-sleep-1``, so every
+displacement comes in two forms (pause, stop) and the consent names which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.systemd.conftest import UnitFiles
+from tests.systemd.placement_world import (
+    ALPHA_MIB,
+    BETA_MIB,
+    GUARD_S,
+    World,
+    build_world,
+    close_world,
+)
+from uapplace import engines
+from uapplace.model import OptionKind, PendingEntry
+from uapplace.sim.gpu import SimGpu
+from uapplace.units import UnitManager
+
+pytestmark = pytest.mark.systemd
+
+ALPHA_PAUSED = ["alpha/a1@pause"]
+BETA_PAUSED = ["beta/b1@pause"]
+BETA_STOPPED = ["beta/b1"]
+
+
+def declare_levers(world: World, lever: str = "vllm-sleep-1") -> None:
+    """Both configs declare the lever, in the repo file and the machine-local one."""
+    for path in (world.paths.repo_registry, world.paths.local_registry):
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        for model in doc["models"].values():
+            for config in model.get("configs", {}).values():
+                config["pause_lever"] = lever
+        path.write_text(json.dumps(doc), encoding="utf-8")
+
+
+async def sleeping_world(
+    tmp_path: Path,
+    units: UnitManager,
+    unit_files: UnitFiles,
+    sim: SimGpu,
+    alpha_args: Sequence[str] = (),
+) -> World:
+    world = await build_world(
+        tmp_path,
+        units,
+        unit_files,
+        sim,
+        alpha_args=["--sleep-mode", *alpha_args],
+        beta_args=["--sleep-mode"],
+    )
+    try:
+        declare_levers(world)
+        assert await world.controller.reload()
+        async with asyncio.timeout(GUARD_S):
+            await world.start_alpha()
+    except BaseException:
+        await close_world(world)
+        raise
+    return world
+
+
+@pytest.fixture
+async def world(
+    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
+) -> AsyncIterator[World]:
+    built = await sleeping_world(tmp_path, units, unit_files, sim_gpu)
+    try:
+        yield built
+    finally:
+        await close_world(built)
+
+
+@pytest.fixture
+async def failing_wake_world(
+    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
+) -> AsyncIterator[World]:
+    built = await sleeping_world(tmp_path, units, unit_files, sim_gpu, ["--fail-wake"])
+    try:
+        yield built
+    finally:
+        await close_world(built)
+
+
+def allocations(world: World) -> list[float]:
+    return sorted(a.used_mib for a in world.sim.read().allocations)
+
+
+def forms(entry: PendingEntry) -> list[tuple[str, tuple[str, ...]]]:
+    return [(o.kind.value, o.signature) for o in entry.options]
+
+
+def step_names(result: dict[str, Any]) -> list[str]:
+    return [step["name"] for step in result["steps"]]
+
+
+async def active(world: World, unit: str) -> str:
+    return (await world.units.state(unit)).active_state
+
+
+async def pause_alpha_for_beta(world: World) -> None:
+    entry = await world.park("beta")
+    assert forms(entry) == [("displace", tuple(ALPHA_PAUSED)), ("displace", ("alpha/a1",))]
+    async with asyncio.timeout(GUARD_S):
+        result = await world.controller.apply(entry.id, 1, ALPHA_PAUSED)
+    assert result["ok"] is True, result
+    assert "pause" in step_names(result) and "start" in step_names(result)
+
+
+async def test_pause_frees_the_vram_and_a_later_request_wakes_alpha(world: World) -> None:
+    await pause_alpha_for_beta(world)
+
+    # Alpha's engine is asleep, its unit still active, its memory back on the card.
+    assert await active(world, world.alpha.name) == "active"
+    assert await engines.is_sleeping(world.alpha.endpoint) is True
+    assert allocations(world) == [BETA_MIB]
+    alpha = world.resident("alpha")
+    assert alpha is not None and alpha.state.value == "paused" and alpha.gpu_mib == 0
+    assert world.state_of("beta") == "hot"
+    assert "paused" in world.events.states_of("alpha")
+    # A paused resident is not forwarded to: the request parks with a wake option,
+    # which needs room, so beta must go (paused or stopped, with consent).
+    entry = await world.park("alpha")
+    assert [o.kind for o in entry.options] == [OptionKind.WAKE, OptionKind.WAKE]
+    assert forms(entry) == [("wake", tuple(BETA_PAUSED)), ("wake", tuple(BETA_STOPPED))]
+
+    async with asyncio.timeout(GUARD_S):
+        result = await world.controller.apply(entry.id, 2, BETA_STOPPED)
+
+    assert result["ok"] is True, result
+    names = step_names(result)
+    assert "wake" in names and "start" not in names and "pause" not in names
+    assert await active(world, world.beta.name) == "inactive"
+    assert await engines.is_sleeping(world.alpha.endpoint) is False
+    assert allocations(world) == [ALPHA_MIB]
+    assert world.state_of("alpha") == "hot" and world.resident("beta") is None
+    forwarded = world.controller.admit("alpha", "client-1", "", 0)
+    assert forwarded.decision == "forward", forwarded
+    # Both units were active together while alpha slept (that is what a pause is); the
+    # card never held both engines' memory: the simulated GPU refuses a claim past it.
+
+
+async def test_consent_names_the_action(world: World) -> None:
+    entry = await world.park("beta")
+    # Approving the stop never runs the pause form, and the other way round: the run
+    # that executes is the form whose signature was approved.
+    async with asyncio.timeout(GUARD_S):
+        result = await world.controller.apply(entry.id, 2, ["alpha/a1"])
+    assert result["ok"] is True, result
+    assert "pause" not in step_names(result)
+    assert await active(world, world.alpha.name) == "inactive"
+    assert world.resident("alpha") is None
+
+
+async def test_a_failing_wake_rolls_back_and_beta_serves_again(
+    failing_wake_world: World,
+) -> None:
+    world = failing_wake_world
+    await pause_alpha_for_beta(world)
+    entry = await world.park("alpha")
+    assert forms(entry)[0] == ("wake", tuple(BETA_PAUSED))
+
+    async with asyncio.timeout(GUARD_S):
+        result = await world.controller.apply(entry.id, 1, BETA_PAUSED)
+
+    assert result["ok"] is False and result["rolledBack"] is True, result
+    names = step_names(result)
+    assert names[names.index("pause") :][:4] == ["pause", "stop", "verify-free", "wake"]
+    assert "rollback-sleep" in names and "rollback-wake" in names
+    assert all(s["ok"] for s in result["steps"] if s["name"].startswith("rollback")), result
+    # Beta was paused for the wake and woken again; alpha stays paused, as before.
+    assert await engines.is_sleeping(world.beta.endpoint) is False
+    assert await engines.is_sleeping(world.alpha.endpoint) is True
+    assert allocations(world) == [BETA_MIB]
+    assert world.state_of("beta") == "hot" and world.state_of("alpha") == "paused"
+    assert world.controller.admit("beta", "client-1", "", 0).decision == "forward"
+    assert world.enforcer.marks.draining == frozenset()
