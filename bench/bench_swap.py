@@ -19,7 +19,17 @@ enforcement A→B, baseline B→A). Prints every sample, the medians, the ratio 
 the per-step times of the enforcement (from the ``EnforcementStep`` signals).
 Target: ratio ≤ 1.10 (added overhead ≤ 150 ms). Needs root (contained manager).
 
+``--pause`` (issue 12) measures the pause/wake column instead: both fake engines run
+the vLLM sleep API (``--sleep-mode``, ``--cold-secs`` to load, default 20 s,
+``--wake-secs`` to wake, default 1.5 s) and declare ``pause_lever: vllm-sleep-1``.
+In one run: stop-swaps (Apply of the option that stops the resident and cold-starts
+the other, both ways), then one untimed pause + cold start so both are loaded, then
+pause-swaps (Apply of the wake option that pauses the resident and wakes the other,
+both ways). Prints every sample, the medians and the ratio pause-swap ÷ stop-swap
+(target well under 0.2).
+
     .venv/bin/python bench/bench_swap.py [--rounds 4] [--via bus|inprocess]
+    .venv/bin/python bench/bench_swap.py --pause --rounds 1
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from typing import Any
 
 from dbus_fast import Message, MessageType
 
+from uapplace.alerts import Alert
 from uapplace.client import PlacementClient, PlacementError
 from uapplace.controller import Controller, ProxyHolders, ResidentRow
 from uapplace.demo import CODER, WRITER, DemoModel, Sandbox, SandboxSpec
@@ -49,6 +60,7 @@ from uapplace.sim.usermanager import can_contain
 from uapplace.units import UnitManager
 
 TARGET_RATIO = 1.10
+PAUSE_TARGET_RATIO = 0.2
 GUARD_S = 60.0
 
 
@@ -90,7 +102,7 @@ class Enforcement:
         self,
         admit: Callable[[str, str], Awaitable[dict[str, Any]]],
         pending_options: Callable[[str], Awaitable[list[dict[str, Any]]]],
-        apply: Callable[[str, list[dict[str, str]]], Awaitable[dict[str, Any]]],
+        apply: Callable[[str, int, list[str]], Awaitable[dict[str, Any]]],
         residents: Callable[[], Awaitable[list[tuple[str, str]]]],
     ) -> None:
         self.admit = admit
@@ -103,17 +115,34 @@ class Enforcement:
     def on_step(self, step: str) -> None:
         self.step_times.append((step, time.perf_counter()))
 
-    async def swap(self, start: DemoModel) -> tuple[float, dict[str, float]]:
+    async def swap(
+        self, start: DemoModel, form: str | None = None
+    ) -> tuple[float, dict[str, float]]:
+        """Apply the first option for ``start``, or the first whose victims are all
+        ``form`` (``"stop"`` / ``"pause"``), with its signature."""
         self.round += 1
         answer = await self.admit(start.key, f"bench-{self.round}")
         if answer.get("decision") != "park":
             raise RuntimeError(f"expected a park for {start.key}: {answer}")
         placement_id = str(answer["placement_id"])
         options = await self.pending_options(placement_id)
-        victims = [{"model": v["model"], "config": v["config"]} for v in options[0]["victims"]]
+        index = 1
+        if form is not None:
+            index = next(
+                (
+                    i
+                    for i, option in enumerate(options, start=1)
+                    if option["victims"]
+                    and all(v.get("action", "stop") == form for v in option["victims"])
+                ),
+                0,
+            )
+            if index == 0:
+                raise RuntimeError(f"no {form} option for {start.key}: {options}")
+        expected = list(options[index - 1].get("signature", []))
         self.step_times.clear()
         started = time.perf_counter()
-        result = await self.apply(placement_id, victims)
+        result = await self.apply(placement_id, index, expected)
         elapsed = time.perf_counter() - started
         if not result.get("ok"):
             raise RuntimeError(f"Apply failed: {result.get('error')}")
@@ -154,9 +183,8 @@ async def over_the_bus(stack: AsyncExitStack, box: Sandbox) -> Enforcement:
                     return list(entry["options"])
                 await asyncio.sleep(0.02)
 
-    async def apply(placement_id: str, victims: list[dict[str, str]]) -> dict[str, Any]:
-        expected = [f"{v['model']}/{v['config']}" for v in victims]
-        result: dict[str, Any] = await client.apply(placement_id, 1, expected)
+    async def apply(placement_id: str, index: int, expected: list[str]) -> dict[str, Any]:
+        result: dict[str, Any] = await client.apply(placement_id, index, expected)
         return result
 
     async def residents() -> list[tuple[str, str]]:
@@ -207,6 +235,9 @@ class _StepEvents:
     def on_residents(self, rows: list[ResidentRow]) -> None:
         pass
 
+    def on_alert(self, alert: Alert) -> None:
+        pass
+
 
 async def in_process(stack: AsyncExitStack, box: Sandbox) -> Enforcement:
     paths = Paths.from_env(box.client_env())
@@ -234,9 +265,8 @@ async def in_process(stack: AsyncExitStack, box: Sandbox) -> Enforcement:
                     return [o.to_json() for o in entry.options]
                 await asyncio.sleep(0.02)
 
-    async def apply(placement_id: str, victims: list[dict[str, str]]) -> dict[str, Any]:
-        expected = [f"{v['model']}/{v['config']}" for v in victims]
-        return await enforcement_stack.enforcer.apply(placement_id, 1, expected)
+    async def apply(placement_id: str, index: int, expected: list[str]) -> dict[str, Any]:
+        return await enforcement_stack.enforcer.apply(placement_id, index, expected)
 
     async def residents() -> list[tuple[str, str]]:
         return [(r.model, r.state.value) for r in controller.residents]
@@ -251,7 +281,9 @@ async def in_process(stack: AsyncExitStack, box: Sandbox) -> Enforcement:
 
 async def run(rounds: int, via: str, daemon_cmd: str | None) -> Samples:
     samples = Samples()
-    spec = SandboxSpec(load_secs=1.0, resident=CODER, shim=False, daemon=via == "bus")
+    spec = SandboxSpec(
+        load_secs=1.0, resident=CODER, shim=False, daemon=via == "bus", pause_lever=None
+    )
     async with AsyncExitStack() as stack:
         argv = shlex.split(daemon_cmd) if daemon_cmd else None
         box = await Sandbox.create(stack, spec, contain=True, daemon_argv=argv)
@@ -284,6 +316,58 @@ async def run(rounds: int, via: str, daemon_cmd: str | None) -> Samples:
         for _ in range(rounds):
             await one_round(record=True)
     return samples
+
+
+@dataclass
+class PauseSamples:
+    stop: list[float] = field(default_factory=list)
+    pause: list[float] = field(default_factory=list)
+
+
+async def run_pause(
+    rounds: int, via: str, daemon_cmd: str | None, cold_s: float, wake_s: float
+) -> PauseSamples:
+    """The pause/wake column (module docstring): stop-swaps, then pause-swaps, one run."""
+    samples = PauseSamples()
+    spec = SandboxSpec(
+        load_secs=cold_s,
+        wake_secs=wake_s,
+        pause_lever="vllm-sleep-1",
+        resident=CODER,
+        shim=False,
+        daemon=via == "bus",
+    )
+    async with AsyncExitStack() as stack:
+        argv = shlex.split(daemon_cmd) if daemon_cmd else None
+        box = await Sandbox.create(stack, spec, contain=True, daemon_argv=argv)
+        way = await (over_the_bus(stack, box) if via == "bus" else in_process(stack, box))
+        await way.wait_resident(CODER)
+        for _ in range(rounds):
+            for start in (WRITER, CODER):
+                took, _ = await way.swap(start, "stop")
+                samples.stop.append(took)
+                print(f"  stop-swap   → {start.key:14} {took * 1000:9.1f} ms", flush=True)
+        took, _ = await way.swap(WRITER, "pause")
+        print(f"  (setup: pause {CODER.key}, cold start {WRITER.key}: {took:.2f} s)", flush=True)
+        for _ in range(rounds):
+            for start in (CODER, WRITER):
+                took, _ = await way.swap(start, "pause")
+                samples.pause.append(took)
+                print(f"  pause-swap  → {start.key:14} {took * 1000:9.1f} ms", flush=True)
+    return samples
+
+
+def report_pause(samples: PauseSamples, cold_s: float, wake_s: float) -> int:
+    stop = statistics.median(samples.stop)
+    pause = statistics.median(samples.pause)
+    ratio = pause / stop
+    print()
+    print(f"fake engines: cold start {cold_s:g} s, wake {wake_s:g} s")
+    print(f"stop-swap  (stop + start + verify-up): median {stop:7.2f} s  n={len(samples.stop)}")
+    print(f"pause-swap (pause + wake + verify-up): median {pause:7.2f} s  n={len(samples.pause)}")
+    verdict = "PASS" if ratio < PAUSE_TARGET_RATIO else "FAIL"
+    print(f"ratio pause-swap ÷ stop-swap {ratio:.3f}  target < {PAUSE_TARGET_RATIO}: {verdict}")
+    return 0
 
 
 def report(samples: Samples, via: str) -> int:
@@ -320,13 +404,24 @@ def main() -> int:
         default=None,
         help="command that runs uapplaced (default: this Python's -m uapplace.daemon)",
     )
+    parser.add_argument("--pause", action="store_true", help="the pause/wake column (issue 12)")
+    parser.add_argument("--cold-secs", type=float, default=20.0, help="--pause: load time")
+    parser.add_argument("--wake-secs", type=float, default=1.5, help="--pause: wake time")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.cold_secs < 0 or args.wake_secs < 0:
+        parser.error("--cold-secs and --wake-secs must be >= 0")
     ok, why = can_contain()
     if not ok:
         print(f"bench_swap needs a contained systemd --user: {why}", file=sys.stderr)
         return 2
+    if args.pause:
+        print(f"pause/wake benchmark: {args.rounds} rounds, enforcement via {args.via}")
+        paused = asyncio.run(
+            run_pause(args.rounds, args.via, args.daemon_cmd, args.cold_secs, args.wake_secs)
+        )
+        return report_pause(paused, args.cold_secs, args.wake_secs)
     print(f"swap benchmark: {args.rounds} rounds + 1 warm-up, enforcement via {args.via}")
     try:
         samples = asyncio.run(run(args.rounds, args.via, args.daemon_cmd))

@@ -72,7 +72,7 @@ from uapplace.model import (
     iso,
 )
 from uapplace.paths import Paths
-from uapplace.planner import PlanInput, plan, plan_unload, victim_of
+from uapplace.planner import PlanInput, pause_level, plan, plan_unload, victim_of
 from uapplace.rails import RailsCache
 from uapplace.registry import (
     ConfigFileError,
@@ -1404,10 +1404,12 @@ def _with_live_victims(
     victims = []
     for victim in option.victims:
         resident = live.get((victim.model, victim.config, victim.device))
-        if resident is None:
-            victims.append(victim)
+        if resident is None or (
+            victim.action == "pause" and pause_level(registry, resident) is None
+        ):
+            victims.append(victim)  # a re-plan replaces it (issue 12: no longer pausable)
             continue
-        now = victim_of(registry, resident, inflight_known)
+        now = victim_of(registry, resident, inflight_known, victim.action)
         victims.append(
             replace(
                 victim,

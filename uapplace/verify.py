@@ -55,6 +55,9 @@ class Expectation:
     accepted: frozenset[str]
     """Any of these in ``/v1/models`` is enough."""
     policy: ServicePolicy | None = None
+    can_sleep: bool = False
+    """The config declares an executable pause lever (issue 12): a sleeping vLLM still
+    answers ``/health`` 200 and lists its id, so ``/is_sleeping`` must say false too."""
 
 
 def expectation(
@@ -72,7 +75,8 @@ def expectation(
     accepted = {asked, model.key, *model.advertises}
     if config is not None:
         accepted.add(config.key)
-    return Expectation(asked, model.key, frozenset(accepted), policy)
+    can_sleep = config is not None and config.sleep_level is not None
+    return Expectation(asked, model.key, frozenset(accepted), policy, can_sleep)
 
 
 class Outcome(StrEnum):
@@ -160,6 +164,15 @@ async def check(endpoint: str, expect: Expectation, http_s: float) -> Verdict:
             return Verdict(Outcome.UNHEALTHY, problem)
         return Verdict(Outcome.WRONG_ID, problem, served)
     assert served is not None
+    if expect.can_sleep:
+        asleep = await engines.is_sleeping(endpoint, http_s)
+        if asleep is not False:
+            why = (
+                "is asleep (paused): only a wake publishes it"
+                if asleep
+                else "cannot say whether it is asleep (/is_sleeping unanswered)"
+            )
+            return Verdict(Outcome.UNHEALTHY, f"{endpoint} {why}", served)
     checked = ""
     if expect.policy is not None and expect.policy.metrics_must_match:
         problem = await metrics_problem(expect.policy, endpoint, http_s)

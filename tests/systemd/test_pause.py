@@ -26,7 +26,7 @@ from tests.systemd.placement_world import (
     build_world,
     close_world,
 )
-from uapplace import engines
+from uapplace import engines, verify
 from uapplace.model import OptionKind, PendingEntry
 from uapplace.sim.gpu import SimGpu
 from uapplace.units import UnitManager
@@ -132,6 +132,11 @@ async def test_pause_frees_the_vram_and_a_later_request_wakes_alpha(world: World
     assert alpha is not None and alpha.state.value == "paused" and alpha.gpu_mib == 0
     assert world.state_of("beta") == "hot"
     assert "paused" in world.events.states_of("alpha")
+    # The one publication check refuses a sleeping engine (it still answers /health 200).
+    alpha_model = world.controller.load.registry.models["alpha"]
+    expect = verify.expectation(alpha_model, alpha_model.configs["a1"])
+    verdict = await verify.check(world.alpha.endpoint, expect, 2.0)
+    assert not verdict.ok and "asleep" in verdict.detail, verdict
     # A paused resident is not forwarded to: the request parks with a wake option,
     # which needs room, so beta must go (paused or stopped, with consent).
     entry = await world.park("alpha")
