@@ -39,6 +39,18 @@ and returned in the result (CONTRACT.md §4)::
 - **resolve**: the new resident ``hot``, the victims gone, the pending entries
   the new resident serves resolved ``applied``.
 
+Pause and wake (issue 12). A victim the approved option pauses (its signature
+``model/config@pause``) is put to sleep in the **pause** step (after drain, before
+stop): vLLM's ``POST /sleep?level=N``, then ``/is_sleeping`` must say true; its unit
+stays active and verify-free checks the freed memory on the probe. A ``wake`` option
+replaces start and verify-up with **wake** (``POST /wake_up``) and the same verify-up
+plus ``/is_sleeping`` false (a sleeping vLLM answers ``/health`` 200). At resolve a
+paused victim stays a resident, ``paused`` (:func:`_paused_resident`), and a woken one
+turns ``hot``. Rollback: a woken resident is put back to sleep and seen asleep
+(**rollback-sleep**) before the paused victims are woken again, each with its
+verify-up (**rollback-wake**); a victim that cannot be woken stays ``paused`` and the
+rollback is incomplete. The pause step is not journaled (recovery does not know it).
+
 Rollback (any failure after preflight): stop what this run started, then
 restart every victim this run stopped, each with its own verify-up (health and
 served id, bounded like verify-up from the victim's own start facts), and

@@ -117,8 +117,11 @@ def recommendation_text(option: Option) -> str:
         verb = "wake"
         if not option.victims:
             return f"wake {target} (paused) — nothing is stopped{swap}"
-    parts = "; ".join(victim_action_text(victim) for victim in option.victims)
-    return f"{verb} {target} — {parts}, frees {mib_text(option.frees_mib)}{swap}"
+    stopped = [victim_action_text(v) for v in option.victims if v.action == "stop"]
+    paused = [victim_action_text(v) for v in option.victims if v.action == "pause"]
+    parts = [f"stops {'; '.join(stopped)}"] if stopped else []
+    parts += [f"pauses {'; '.join(paused)}"] if paused else []
+    return f"{verb} {target} — {'; '.join(parts)}, frees {mib_text(option.frees_mib)}{swap}"
 
 
 def seconds_text(seconds: float) -> str:
@@ -126,15 +129,16 @@ def seconds_text(seconds: float) -> str:
 
 
 def victim_action_text(victim: Victim) -> str:
-    """``stops coder-7b: no clients, nothing in flight, reload ≈ 38 s`` (issue 12: the
-    preview labels which action it offers, and how long until the victim serves again)."""
+    """``coder-7b: no clients, nothing in flight, reload ≈ 38 s`` (issue 12: how long
+    until the victim serves again, where the envelope measured it; a pause always says
+    its wake, measured or not, so "pause" never reads as free)."""
+    text = victim_impact(victim)
     if victim.action == "pause":
-        again = "wake"
-        verb = "pauses"
-    else:
-        again, verb = "reload", "stops"
-    when = seconds_text(victim.serve_again_s) if victim.serve_again_s is not None else "unmeasured"
-    return f"{verb} {victim_impact(victim)}, {again} ≈ {when}"
+        when = seconds_text(victim.serve_again_s) if victim.serve_again_s is not None else None
+        return f"{text}, wake ≈ {when or 'unmeasured'}"
+    if victim.serve_again_s is not None:
+        return f"{text}, reload ≈ {seconds_text(victim.serve_again_s)}"
+    return text
 
 
 def no_option_text(plan: Plan) -> str:

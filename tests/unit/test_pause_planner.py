@@ -344,3 +344,41 @@ def test_a_unit_that_can_pause_has_no_conflicts_edge_its_awake_size_would_draw()
     }
     # Paused, the coder holds (at most) its unmeasured residual, counted 0: it fits.
     assert conflict_edges(registry(CODER_SLEEPS, CHAT)) == {}
+
+
+# --------------------------------------------------------------------------- the notification
+
+
+def test_the_notification_labels_the_action_and_the_durations() -> None:
+    from uapplace.notify import action_label, body_text
+
+    result = plan(inputs(registry(CODER_SLEEPS, CHAT), [resident(CODER_SLEEPS)]), "chat")
+    assert body_text(result).splitlines() == [
+        "Recommended: load chat/chat-q4 on gpu0 — pauses coder: no clients, nothing in flight, "
+        "wake ≈ 1.5 s, frees 16,000 MiB; swap ≈ 8.5 s",
+        "coder: stopping instead: reload ≈ 20.0 s, frees 16000 MiB",
+        "Approval signature: coder/coder-q4@pause",
+        "1 other option: `uapplace pending`",
+    ]
+    assert [action_label(o) for o in result.options] == [
+        "Pause coder and load",
+        "Stop coder and load",
+    ]
+    asleep = resident(CODER_SLEEPS, ResidentState.PAUSED, gpu_mib=0.0)
+    woken = plan(inputs(registry(CODER_SLEEPS, CHAT), [asleep]), "coder")
+    assert body_text(woken) == (
+        "Recommended: wake coder/coder-q4 on gpu0 (paused) — nothing is stopped; swap ≈ 1.5 s"
+    )
+    assert action_label(woken.options[0]) == "Wake coder"
+
+
+def test_the_shims_expected_victims_carry_the_action() -> None:
+    from uapplace.shim import VictimRefBody, signature_of
+
+    refs = [
+        VictimRefBody.model_validate({"model": "coder", "config": "q4", "action": "pause"}),
+        VictimRefBody.model_validate({"model": "chat", "config": "q4", "consequence": "…"}),
+    ]
+    assert signature_of(refs) == ["chat/q4", f"coder/q4{PAUSE_SUFFIX}"]
+    with pytest.raises(ValueError, match="action"):
+        VictimRefBody.model_validate({"model": "coder", "config": "q4", "action": "kill"})
