@@ -44,6 +44,10 @@ bench: setup
 	$(BIN)/python bench/bench_shim.py
 	$(BIN)/python bench/bench_swap.py
 	$(BIN)/python bench/flood_rss.py
+	$(BIN)/python bench/bench_burst.py
+	$(BIN)/python bench/bench_swap.py --pause
+	$(BIN)/python bench/bench_envelope.py
+	$(BIN)/python bench/chaos.py --steps 300
 
 clean:
 	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -45,11 +45,13 @@ stop): vLLM's ``POST /sleep?level=N``, then ``/is_sleeping`` must say true; its 
 stays active and verify-free checks the freed memory on the probe. A ``wake`` option
 replaces start and verify-up with **wake** (``POST /wake_up``) and the same verify-up
 plus ``/is_sleeping`` false (a sleeping vLLM answers ``/health`` 200). At resolve a
-paused victim stays a resident, ``paused`` (:func:`_paused_resident`), and a woken one
+paused victim stays a resident, ``paused`` (:func:`paused_resident`), and a woken one
 turns ``hot``. Rollback: a woken resident is put back to sleep and seen asleep
 (**rollback-sleep**) before the paused victims are woken again, each with its
 verify-up (**rollback-wake**); a victim that cannot be woken stays ``paused`` and the
-rollback is incomplete. The pause step is not journaled (recovery does not know it).
+rollback is incomplete. Each of these steps is journaled first, with every victim's
+action (stop/pause) and the resident a wake run wakes, so the start-up repair
+(:mod:`uapplace.recovery`) wakes or keeps paused what a crash left asleep.
 
 Rollback (any failure after preflight): stop what this run started, then
 restart every victim this run stopped, each with its own verify-up (health and
@@ -1367,6 +1369,8 @@ class Enforcer:
         units = _units_of(target.stopping)
         if not units:
             run.record(STOP, True, "paused instead" if target.pausing else "no victims")
+            if target.pausing:  # the sleeps are done: recovery must know the victims sleep
+                await self._journal_step(run, target, VERIFY_FREE)
             return
         run.victim_pids = frozenset(await self._pids_of(units))
         await self._journal_step(run, target, STOP, units)
@@ -1394,6 +1398,7 @@ class Enforcer:
             return
         registry = self.host.registry()
         done: list[str] = []
+        await self._journal_step(run, target, PAUSE)
         for victim in victims:
             config = config_of(registry, victim)
             level = config.sleep_level if config is not None else None
@@ -1430,6 +1435,7 @@ class Enforcer:
         label = f"{target.model.key}/{target.config.key}"
         bound = self.timeouts.wake_bound(label, target.config, self.timeouts.verify_up_s)
         run.verify_up_bound = bound
+        await self._journal_step(run, target, WAKE)
         run.woke = True
         started = time.monotonic()
         try:
@@ -1696,7 +1702,7 @@ class Enforcer:
         for victim in target.stopping:
             self.host.drop_resident(victim)
         for victim in target.pausing:
-            self.host.put_resident(_paused_resident(registry, victim))
+            self.host.put_resident(paused_resident(registry, victim))
         parts = []
         if target.stopping:
             parts.append(f"removed {', '.join(v.signature for v in target.stopping)}")
@@ -1761,7 +1767,7 @@ class Enforcer:
             await self.journal.record(self._run_record(run, target, step, stopping))
         except (OSError, ValueError, JournalError) as err:
             why = f"cannot write the enforcement journal {self.journal.path}: {err}"
-            if step in (ROLLBACK_STOP, ROLLBACK_START):
+            if step in (ROLLBACK_STOP, ROLLBACK_START, ROLLBACK_SLEEP, ROLLBACK_WAKE):
                 log.error("%s %s: %s", run.run_id, step, why)
                 return
             raise run.fail(step, why) from None
@@ -1790,6 +1796,15 @@ class Enforcer:
             started_unit=run.started_unit,
             detail=f"{failed.name}: {failed.detail}" if failed is not None else "",
             history=tuple(s.name for s in run.steps),
+            victim_actions={
+                v.signature: "pause" if v in target.pausing else "stop" for v in target.victims
+            },
+            paused=tuple(
+                dict.fromkeys(
+                    v.signature for v in (*run.paused, *(target.pausing if step == PAUSE else ()))
+                )
+            ),
+            wake=target.wake,
         )
 
     async def _journal_clear(self, run: _Run) -> None:
@@ -1812,6 +1827,7 @@ class Enforcer:
             await self._journal_step(run, target, ROLLBACK_STOP)
             safe = await self._stop_started(run, target, restore)
         if run.woke and target.wake is not None:
+            await self._journal_step(run, target, ROLLBACK_SLEEP)
             safe = await self._resleep(run, target.wake, restore) and safe
         if run.stopped_units:
             if safe:
@@ -1820,6 +1836,8 @@ class Enforcer:
             else:
                 self._leave_victims_down(run, restore)
         if run.paused:
+            if safe:
+                await self._journal_step(run, target, ROLLBACK_WAKE)
             await self._rewake_victims(run, restore, safe)
         running = await self._running_after(run, target)
         self._clear(run, restore.restored, running)
@@ -1935,7 +1953,7 @@ class Enforcer:
                 self.host.drop_resident(victim)
             elif resident_key(victim) in paused and unit not in restored:
                 # Still resident, asleep: never published as serving (issue 12).
-                self.host.put_resident(_paused_resident(registry, victim))
+                self.host.put_resident(paused_resident(registry, victim))
             else:
                 self.host.put_resident(victim)
         names = ", ".join(f"{m}/{c}" for m, c, _ in cleared) or "none"
@@ -2348,7 +2366,7 @@ def _free_need(target: _Target) -> float:
     return target.cost_mib
 
 
-def _paused_resident(registry: Registry, victim: Resident) -> Resident:
+def paused_resident(registry: Registry, victim: Resident) -> Resident:
     """``victim`` as the ledger holds it once paused: state ``paused``, the GPU MiB the
     sleeping engine keeps, host RSS grown by what a level-1 sleep offloads
     (:func:`uapplace.planner.pause_figures`)."""

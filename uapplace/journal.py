@@ -31,7 +31,17 @@ Steps recorded (the names are the enforcement steps of :mod:`uapplace.enforce`):
 ``verify-up``       the new unit's start job is done; verifying it
 ``rollback-stop``   the run failed; about to stop the unit it started
 ``rollback-start``  about to restart the victims it stopped
+``pause``           about to put the paused victims' engines to sleep (issue 12)
+``wake``            about to wake the paused resident a ``wake`` run serves
+``rollback-sleep``  the wake run failed; about to put that resident back to sleep
+``rollback-wake``   about to wake the victims the run paused
 ==================  ============================================================
+
+Pause runs (issue 12) add three fields, each optional so a journal written before
+them still reads (as "every victim stopped, nothing woken"):
+``victim_actions`` (victim ``model/config`` → ``stop`` or ``pause``), ``paused``
+(the victims whose sleep was attempted so far) and ``wake`` (the paused resident a
+wake run is waking, as it was before the run).
 
 Test hook: when built with ``crash_at`` (``UAPPLACE_TEST_CRASH_AT``, see
 :class:`uapplace.paths.Paths`), :meth:`Journal.record` SIGKILLs this process
@@ -51,6 +61,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from uapplace.jsonfile import ConfigFileError, parse_json, read_capped_or_none
 from uapplace.ledger import atomic_write, describe_validation_error, resident_to_json
 from uapplace.model import Resident, ResidentState, iso
 from uapplace.registry import valid_unit_name
@@ -62,6 +73,7 @@ MAX_JOURNAL_BYTES = 1 << 20
 """A journal is a few KiB; anything over 1 MiB is not one of ours."""
 
 RunKind = Literal["apply", "load", "unload"]
+VictimAction = Literal["stop", "pause"]
 
 STEP_STOP = "stop"
 STEP_STOPPED = "verify-free"
@@ -69,8 +81,17 @@ STEP_START = "start"
 STEP_STARTED = "verify-up"
 STEP_ROLLBACK_STOP = "rollback-stop"
 STEP_ROLLBACK_START = "rollback-start"
-FORWARD_STEPS = (STEP_STOP, STEP_STOPPED, STEP_START, STEP_STARTED)
-ROLLBACK_STEPS = (STEP_ROLLBACK_STOP, STEP_ROLLBACK_START)
+STEP_PAUSE = "pause"
+STEP_WAKE = "wake"
+STEP_ROLLBACK_SLEEP = "rollback-sleep"
+STEP_ROLLBACK_WAKE = "rollback-wake"
+FORWARD_STEPS = (STEP_PAUSE, STEP_STOP, STEP_STOPPED, STEP_START, STEP_STARTED, STEP_WAKE)
+ROLLBACK_STEPS = (
+    STEP_ROLLBACK_STOP,
+    STEP_ROLLBACK_START,
+    STEP_ROLLBACK_SLEEP,
+    STEP_ROLLBACK_WAKE,
+)
 STEPS = (*FORWARD_STEPS, *ROLLBACK_STEPS)
 
 
@@ -108,6 +129,19 @@ class RunRecord:
     """Why the run is rolling back (the failed step's detail), for the alert."""
     history: tuple[str, ...] = field(default=())
     """Every step recorded so far, in order."""
+    victim_actions: dict[str, VictimAction] = field(default_factory=dict)
+    """Victim ``model/config`` → ``stop`` or ``pause``; a victim not named was stopped."""
+    paused: tuple[str, ...] = ()
+    """``model/config`` of every victim whose sleep the run attempted."""
+    wake: Resident | None = None
+    """The paused resident a wake run is waking (as it was before the run), else ``None``."""
+
+    def action_of(self, victim: Resident) -> VictimAction:
+        return self.victim_actions.get(victim.signature, "stop")
+
+    @property
+    def pausing(self) -> tuple[Resident, ...]:
+        return tuple(v for v in self.victims if self.action_of(v) == "pause")
 
     @property
     def new_unit(self) -> str | None:
@@ -118,13 +152,18 @@ class RunRecord:
         return self.step in ROLLBACK_STEPS
 
     def describe(self) -> str:
-        """``apply beta/b1 on gpu0 (placement plc-…), stopping alpha/a1``."""
+        """``apply beta/b1 on gpu0 (placement plc-…), stopping alpha/a1, pausing gamma/g1``."""
         what = f"{self.kind} "
         what += f"{self.new.signature} on {self.device}" if self.new else self.requested
         if self.placement_id:
             what += f" (placement {self.placement_id})"
-        if self.victims:
-            what += f", stopping {', '.join(v.signature for v in self.victims)}"
+        stopping = [v.signature for v in self.victims if self.action_of(v) == "stop"]
+        if stopping:
+            what += f", stopping {', '.join(stopping)}"
+        if self.pausing:
+            what += f", pausing {', '.join(v.signature for v in self.pausing)}"
+        if self.wake is not None:
+            what += f", waking paused {self.wake.signature}"
         return what
 
     def to_json(self) -> dict[str, Any]:
@@ -146,6 +185,9 @@ class RunRecord:
             "started_unit": self.started_unit,
             "detail": self.detail,
             "history": list(self.history),
+            "victim_actions": dict(self.victim_actions),
+            "paused": list(self.paused),
+            "wake": resident_to_json(self.wake) if self.wake is not None else None,
         }
 
 
@@ -204,7 +246,18 @@ class _RecordJson(_Strict):
     victims: list[_ResidentJson]
     new: _ResidentJson | None
     accepted_ids: list[str]
-    step: Literal["stop", "verify-free", "start", "verify-up", "rollback-stop", "rollback-start"]
+    step: Literal[
+        "stop",
+        "verify-free",
+        "start",
+        "verify-up",
+        "rollback-stop",
+        "rollback-start",
+        "pause",
+        "wake",
+        "rollback-sleep",
+        "rollback-wake",
+    ]
     started_at: str
     started_at_s: float = Field(allow_inf_nan=False)
     updated_at_s: float = Field(allow_inf_nan=False)
@@ -212,6 +265,9 @@ class _RecordJson(_Strict):
     started_unit: str | None = None
     detail: str = ""
     history: list[str] = []
+    victim_actions: dict[str, VictimAction] = {}
+    paused: list[str] = []
+    wake: _ResidentJson | None = None
 
     @field_validator("stopped_units")
     @classmethod
@@ -251,6 +307,9 @@ def record_from_json(path: Path, data: Any) -> RunRecord:
         started_unit=parsed.started_unit,
         detail=parsed.detail,
         history=tuple(parsed.history),
+        victim_actions=dict(parsed.victim_actions),
+        paused=tuple(parsed.paused),
+        wake=parsed.wake.resident() if parsed.wake is not None else None,
     )
 
 
@@ -282,32 +341,27 @@ class Journal:
 
     def write(self, record: RunRecord) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Refused, not nulled (``jsonfile.dumps`` would): a journal must say exactly
+        # what the run intends, or the run does not take the step.
         text = json.dumps(record.to_json(), indent=1, allow_nan=False) + "\n"
         atomic_write(self.path, text, sync=True)
 
     def read(self) -> RunRecord | None:
         """The run in progress, ``None`` when there is none.
 
-        Raises :class:`JournalError` for a file that is too large, not JSON, too
-        deeply nested, or not the schema (naming the field).
+        Raises :class:`JournalError` for a file that is too large, not a regular
+        file, not JSON, too deeply nested, with a ``NaN``/``Infinity`` or a duplicate
+        key (:func:`uapplace.jsonfile.parse_json`, the checked parser every file of
+        uapplace goes through), or not the schema (naming the field).
         """
         try:
-            with self.path.open("rb") as handle:
-                raw = handle.read(MAX_JOURNAL_BYTES + 1)
-        except FileNotFoundError:
-            return None
-        except OSError as err:
-            raise JournalError(self.path, f"cannot read: {err.strerror or err}") from None
-        if len(raw) > MAX_JOURNAL_BYTES:
-            raise JournalError(self.path, f"larger than {MAX_JOURNAL_BYTES} bytes")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as err:
-            raise JournalError(self.path, f"not UTF-8 text: {err}") from None
-        except json.JSONDecodeError as err:
-            raise JournalError(self.path, f"invalid JSON: {err}") from None
-        except RecursionError:
-            raise JournalError(self.path, "JSON nested too deeply") from None
+            raw = read_capped_or_none(self.path, MAX_JOURNAL_BYTES)
+            if raw is None:
+                return None
+            data = parse_json(raw, self.path)
+        except ConfigFileError as err:
+            where = "" if err.json_path == "$" else f"{err.json_path}: "
+            raise JournalError(self.path, f"{where}{err.message}") from None
         return record_from_json(self.path, data)
 
     def remove(self) -> None:

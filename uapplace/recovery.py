@@ -21,38 +21,66 @@ victim can be restarted; never publish the new unit before it passed verify-up;
 never two residents on one device over its budget (the new unit must be seen
 down before a victim starts, a victim seen up means the new unit stops).
 
-The table (``new`` = the unit the run starts; ``victims`` = the units it stops;
-"up" = active, activating or reloading; "down" = inactive or failed). Rows are
-tried in order, the first that matches decides; the outcome is the alert's
-(``recovery_done`` warning, or ``recovery_needed`` critical for HUMAN):
+The table (``new`` = the unit the run starts, or the paused resident a wake run
+wakes; ``victims`` = the residents it stops or pauses; "up" = active, activating or
+reloading; "down" = inactive or failed; "asleep" = unit up and ``/is_sleeping``
+true; "verify" = :func:`uapplace.verify.check`, the one publication check: health,
+served id, not asleep, ``metricsMustMatch``, polled within the config's own bound
+:meth:`~uapplace.enforce.Timeouts.verify_up_bound` (:meth:`~uapplace.enforce.Timeouts.wake_bound`
+for a wake)). Rows are tried in order, the first that matches decides; the outcome
+is the alert's (``recovery_done`` warning, or ``recovery_needed`` critical for HUMAN).
+**No row publishes a resident ``hot`` that has not just passed verify.**
 
-==  ==============  ========  ========  ===================================  ===========
-#   journal step    new       victims   action                               outcome
-==  ==============  ========  ========  ===================================  ===========
-0   none            —         —         none (pending entries re-planned)    no alert
-1   unreadable      —         —         moved aside to ``….broken``          HUMAN
-2   stop…verify-up  up        all down  verify as verify-up does (health     finished
-                                        within verify_up_s, served ids,
-                                        metricsMustMatch): passes → publish
-                                        new ``hot``, drop the victims,
-                                        resolve the entry ``applied``
-3   stop…verify-up  up        any       fails verify (or a victim is up:     → row 5
-                                        two residents on one device): stop
-                                        new
-4   rollback-*      up        any       stop new (the run had failed)        → row 5
-5   any             stop of new fails   victims NOT restarted                HUMAN
-6   any             down      all up    lift the crashed run's ``draining``  nothing /
-                                        marks (victims served as before)     rolled back
-7   unload          none      all down  drop the victims: the unload had     finished
-                                        done its unit work
-8   any             down      some      wait (verify_free_s) until the       rolled back
-                              down      probe shows the victims' memory
-                                        free, start each, verify healthy
-9   any             down      some      memory not free in time (orphan?):   HUMAN
-                              down      victims NOT started
-10  any             down      some      a start job or health check fails    HUMAN
-                              down      (the others are restarted)
-==  ==============  ========  ========  ===================================  ===========
+==  ==============  ========  ==============  ==============================  ===========
+#   journal step    new       victims         action                          outcome
+==  ==============  ========  ==============  ==============================  ===========
+0   none            —         —               none (pending re-planned)       no alert
+1   unreadable      —         —               moved aside to ``….broken``     HUMAN
+2   forward         up        stopped: down,  verify new: passes → publish    finished
+                              paused: asleep  it ``hot``, drop the stopped
+                                              victims, keep the paused ones
+                                              ``paused`` (not woken), resolve
+                                              the entry ``applied``
+3   forward         up        any             fails verify, or a victim is    → row 6
+                                              up and awake (two residents):
+                                              stop new
+4   rollback-*      up        any             stop new (the run had failed)   → row 6
+5   any             stop of new fails         victims NOT restored; asleep    HUMAN
+                                              ones kept ``paused``, none
+                                              ``hot``
+6   any             down      unit up         verify each: passes → ``hot``   nothing /
+                                                                              rolled back
+7   any             down      unit up,        the run paused it: wake         rolled back
+                              asleep          (``/wake_up``), then verify →
+                                              ``hot``; paused before the run:
+                                              stays ``paused``
+8   any             down      up, fails       not published: asleep →         HUMAN
+                              verify or       ``paused``, else out of the
+                              wake fails      ledger (the unit sync re-checks)
+9   unload          none      all down        drop the victims: the unload    finished
+                                              had done its unit work
+10  any             down      some down       wait (verify_free_s) for the    rolled back
+                                              probe to show their memory
+                                              free, start each, verify
+11  any             down      some down       memory not free in time         HUMAN
+                                              (orphan?): victims NOT started
+12  any             down      some down       a start job or verify fails     HUMAN
+                                              (the others are restarted)
+13  wake, …         woken:    stopped: down,  verify the woken engine         finished
+                    verifies  paused: asleep  (``/is_sleeping`` false):
+                                              publish it ``hot``, as row 2
+14  wake, …         fails     any             put it back to sleep, seen      → row 6
+                    verify                    asleep → kept ``paused``; roll
+                                              back the victims
+15  wake, …         cannot    any             victims NOT restored; it is     HUMAN
+                    be put                    taken out of the ledger
+                    to sleep
+==  ==============  ========  ==============  ==============================  ===========
+
+Rows 13-15 are tried first for a wake run (the journal's ``wake`` names the paused
+resident); its unit found down, it is dropped and the victims are rolled back. A
+wake run cut short before its ``wake`` step (``pause``/``stop``/``verify-free``)
+never sent the wake: row 14 at once, without waiting a wake bound.
 
 Decisions where the spec is silent:
 
@@ -61,8 +89,18 @@ Decisions where the spec is silent:
   approval was for a switch that would have been seen through by this daemon,
   and their pending entry is kept (re-planned) so applying again is one click.
 - A run cut short after the new unit's start job (``verify-up``) is finished
-  when the new unit now passes the same checks verify-up makes (health, served
-  ids, ``metricsMustMatch``), waiting up to ``verify_up_s`` for a slow load.
+  when the new unit now passes the same checks verify-up makes
+  (:func:`uapplace.verify.check`), waiting up to the config's own bound
+  (``Timeouts.verify_up_bound``: measured start, else ``start_timeout_s``, else
+  ``verify_up_s``; a restarted victim falls back to ``rollback_up_s``).
+- A victim the run paused and found asleep beside a verified new model is kept
+  ``paused``, not woken: the operator approved that pause, and waking it would
+  need the memory the new model now holds.
+- A sleeping engine is polled like a loading one up to the wake bound: a wake the
+  crashed daemon had sent may still be in progress in the engine.
+- A waking victim is not gated on the probe's free memory (its unit never
+  stopped; the new unit is seen down first): a wake that finds no room fails and
+  the victim stays ``paused`` (row 8).
 - The journal is removed after every repair, including one that needs a human:
   the alert's ``detail.journal`` holds the whole record, and a journal kept
   would make every restart try the same repair again.
@@ -73,22 +111,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from uapplace import engines
+from uapplace import engines, verify
 from uapplace.alerts import AlertKind, Severity
 from uapplace.capacity import ServicePolicy
-from uapplace.journal import Journal, JournalError, RunRecord
+from uapplace.journal import (
+    STEP_PAUSE,
+    STEP_STOP,
+    STEP_STOPPED,
+    Journal,
+    JournalError,
+    RunRecord,
+)
 from uapplace.model import DeviceReading, Model, ProbeSource, Registry, Resident, ResidentState
+from uapplace.planner import config_of
 from uapplace.registry import unit_file_name
+from uapplace.topology import verify_endpoint
 from uapplace.units import JobOutcome, UnitError, UnitState
 
 if TYPE_CHECKING:
     from uapplace.controller import Controller
-    from uapplace.enforce import Timeouts
+    from uapplace.enforce import Timeouts, UpBound
 
 log = logging.getLogger(__name__)
 
@@ -167,27 +214,24 @@ class UnitControl(Protocol):
     async def stop_unit(self, name: str, timeout: float) -> JobOutcome: ...  # noqa: ASYNC109
 
 
-class EngineProbe(Protocol):
-    """The engine checks of verify-up (:class:`HttpEngines`: the real HTTP probes)."""
+class EngineProbe(verify.Probe, Protocol):
+    """The engine endpoints of the publication check (:class:`uapplace.verify.Probe`:
+    health, served ids, ``/is_sleeping``, metrics) plus the pause levers the repair
+    pulls (:class:`HttpEngines`: the real HTTP calls)."""
 
-    async def health(self, endpoint: str, timeout_s: float) -> bool: ...
+    async def sleep(self, endpoint: str, level: int, timeout_s: float) -> None: ...
 
-    async def served_ids(self, endpoint: str, timeout_s: float) -> list[str]: ...
-
-    async def metrics(self, endpoint: str, timeout_s: float) -> dict[str, float | str]: ...
+    async def wake(self, endpoint: str, timeout_s: float) -> None: ...
 
 
-class HttpEngines:
+class HttpEngines(verify.HttpProbe):
     """:class:`EngineProbe` over :mod:`uapplace.engines`."""
 
-    async def health(self, endpoint: str, timeout_s: float) -> bool:
-        return await engines.health(endpoint, timeout_s=timeout_s)
+    async def sleep(self, endpoint: str, level: int, timeout_s: float) -> None:
+        await engines.sleep(endpoint, level, timeout_s)
 
-    async def served_ids(self, endpoint: str, timeout_s: float) -> list[str]:
-        return await engines.served_ids(endpoint, timeout_s=timeout_s)
-
-    async def metrics(self, endpoint: str, timeout_s: float) -> dict[str, float | str]:
-        return await engines.metrics(endpoint, timeout_s=timeout_s)
+    async def wake(self, endpoint: str, timeout_s: float) -> None:
+        await engines.wake(endpoint, timeout_s)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -281,122 +325,216 @@ class Repair:
         self.probe = probe
         self.actions: list[str] = []
         self.problems: list[str] = []
+        self.changed = False
+        """Whether the repair changed a unit or an engine (stop, start, wake)."""
+        self._asleep_seen: set[str] = set()
+        """``model/config`` of every resident ``/is_sleeping`` said true for."""
 
     # ------------------------------------------------------------------ the table
 
     async def run(self) -> RecoveryReport:
+        if self.record.wake is not None:
+            return await self._run_wake(self.record.wake)
         record = self.record
         new_unit = _unit(record.new)
-        stopped_new = False
         if new_unit is not None and _up(await self._state(new_unit)):
-            why_not = await self._why_not_finish(new_unit)
+            why_not = await self._why_not_finish(lambda: self._verify_new(new_unit))
             if why_not is None:
-                return self._finish()
+                return self._finish(self._published_new())
             self.actions.append(f"{new_unit} not kept: {why_not}")
             if not await self._stop_new(new_unit):
+                await self._settle_left_running()
                 return self.report(Outcome.NEEDS_HUMAN, "")
-            stopped_new = True
         elif new_unit is not None:
             self._drop_if_published(record.new)
-        down = await self._down_victims()
-        if not down:
-            self._restore_running_victims()
-            outcome = Outcome.ROLLED_BACK if stopped_new else Outcome.NOTHING_CHANGED
-            return self.report(outcome, "")
-        if record.kind == "unload" and len(down) == len(record.victims):
-            return self._finish()
-        await self._restart(down)
-        self._restore_running_victims()
-        outcome = Outcome.NEEDS_HUMAN if self.problems else Outcome.ROLLED_BACK
-        return self.report(outcome, "")
+        return await self._roll_back_victims()
 
-    async def _why_not_finish(self, new_unit: str) -> str | None:
-        """``None`` when the run can be finished: forward, no victim up, new verified."""
+    async def _run_wake(self, twin: Resident) -> RecoveryReport:
+        """Rows 13-14: a wake run (the requested model was paused) cut short."""
+        unit = _unit(twin)
+        if unit is not None and not _up(await self._state(unit)):
+            self._drop_if_published(twin)
+            self.actions.append(f"{twin.signature}'s unit {unit} is down: no longer resident")
+        elif twin.endpoint is not None:
+            if self.record.step in (STEP_PAUSE, STEP_STOP, STEP_STOPPED):
+                # The wake was never sent: nothing to verify (nor to wait a wake bound for).
+                why_not: str | None = (
+                    f"the run was cut short at {self.record.step}, before the wake"
+                )
+            else:
+                why_not = await self._why_not_finish(lambda: self._verify_woken(twin))
+            if why_not is None:
+                return self._finish(self._published_twin(twin))
+            self.actions.append(f"{twin.signature} not published: {why_not}")
+            if not await self._put_back_to_sleep(twin):
+                await self._settle_left_running()
+                return self.report(Outcome.NEEDS_HUMAN, "")
+        return await self._roll_back_victims()
+
+    async def _why_not_finish(self, verified: Callable[[], Awaitable[str | None]]) -> str | None:
+        """``None`` when the run can be finished: forward, every stopped victim down,
+        every paused victim asleep, and what it serves verified (``verified``)."""
         if self.record.rolling_back:
             failed = f" ({self.record.detail})" if self.record.detail else ""
             return f"the run was already rolling back{failed}"
-        running = [v.signature for v in self.record.victims if _up(await self._victim_state(v))]
-        if running:
-            return f"victim {', '.join(running)} is running too (two residents on one device)"
-        return await self._verify_new(new_unit)
+        awake: list[str] = []
+        for victim in self.record.victims:
+            if not _up(await self._victim_state(victim)):
+                continue
+            if self.record.action_of(victim) == "stop" or not await self._asleep(victim):
+                awake.append(victim.signature)
+        if awake:
+            return f"victim {', '.join(awake)} is running too (two residents on one device)"
+        return await verified()
 
     # ------------------------------------------------------------------ finish
 
-    def _finish(self) -> RecoveryReport:
+    def _published_new(self) -> Resident | None:
+        new = self.record.new
+        return replace(new, state=ResidentState.HOT) if new is not None else None
+
+    def _published_twin(self, twin: Resident) -> Resident:
+        config = config_of(self.host.registry(), twin)
+        if config is None:
+            return replace(twin, state=ResidentState.HOT, holders=())
+        return replace(
+            twin,
+            state=ResidentState.HOT,
+            gpu_mib=config.resident_gpu_mib,
+            host_rss_mib=config.host_rss_mib,
+            holders=(),
+        )
+
+    def _finish(self, published: Resident | None) -> RecoveryReport:
+        """Rows 2, 7, 11, 13: see the run through. A paused victim stays a resident,
+        ``paused`` (it was seen asleep); every other victim is dropped."""
         record = self.record
+        kept = [v for v in record.pausing if v.signature in self._asleep_seen]
         for victim in record.victims:
             self._drop_if_published(victim)
-        if record.victims:
-            self.actions.append(f"dropped {', '.join(v.signature for v in record.victims)}")
-        new = record.new
-        if new is not None:
-            published = replace(new, state=ResidentState.HOT)
+        for victim in kept:
+            self.host.put_resident(_paused(self.host.registry(), victim))
+        dropped = [v.signature for v in record.victims if v not in kept]
+        if dropped:
+            self.actions.append(f"dropped {', '.join(dropped)}")
+        if kept:
+            self.actions.append(
+                f"kept {', '.join(v.signature for v in kept)} paused (seen asleep; not woken)"
+            )
+        if published is not None:
             resolved: list[str] = []
             if record.placement_id and self.host.resolve_entry(record.placement_id, "applied"):
                 resolved.append(record.placement_id)
             resolved += self.host.resolve_served(published, "applied")
             self.host.put_resident(published)
-            self.actions.append(f"published {new.signature} hot on {new.device} (verified)")
+            self.actions.append(
+                f"published {published.signature} hot on {published.device} (verified)"
+            )
             if resolved:
                 self.actions.append(f"resolved {', '.join(resolved)} applied")
         return self.report(Outcome.FINISHED, "")
 
-    # ------------------------------------------------------------------ verify the new unit
+    # ------------------------------------------------------------------ verify
 
     async def _verify_new(self, unit: str) -> str | None:
-        """The checks of verify-up: healthy in time, serves an accepted id, metrics as policy."""
+        """The new unit's verify-up (:func:`uapplace.verify.check`), bounded per config."""
         new = self.record.new
         assert new is not None
-        why = await self._wait_up(unit, new.endpoint, self.timeouts.verify_up_s)
-        if why is not None or new.endpoint is None:
-            return why
-        try:
-            served = await self.probe.served_ids(new.endpoint, self.timeouts.http_s)
-        except engines.EngineError as err:
-            return str(err)
-        if not set(self.record.accepted_ids).intersection(served):
-            return (
-                f"{new.endpoint} serves [{', '.join(served) or 'nothing'}], "
-                f"not {self.record.requested}"
-            )
-        return await self._metrics_problem(new)
-
-    async def _metrics_problem(self, new: Resident) -> str | None:
         model = self.host.registry().models.get(new.model)
         if model is None:
             return f"{new.model} is no longer in the registry"
-        policy = self.host.service_policy(model)
-        if policy is None or not policy.metrics_must_match or new.endpoint is None:
-            return None
-        try:
-            seen = await self.probe.metrics(new.endpoint, self.timeouts.http_s)
-        except engines.EngineError as err:
-            return f"metricsMustMatch of service {policy.name}: {err}"
-        wrong = [
-            f"{key} is {seen.get(key, 'missing')!r}, policy wants {want!r}"
-            for key, want in policy.metrics_must_match.items()
-            if not _metric_matches(want, seen.get(key))
-        ]
-        return f"metricsMustMatch of service {policy.name}: {'; '.join(wrong)}" if wrong else None
+        config = model.configs.get(new.config)
+        expect = verify.expectation(
+            model, config, self.record.requested, self.host.service_policy(model)
+        )
+        expect = replace(expect, accepted=expect.accepted | set(self.record.accepted_ids))
+        bound = self.timeouts.verify_up_bound(new.signature, config, self.timeouts.verify_up_s)
+        return await self._await_verified(unit, self._verify_address(new), expect, bound)
 
-    async def _wait_up(self, unit: str, endpoint: str | None, limit: float) -> str | None:
-        """Until ``unit`` is active and ``/health`` answers 200; ``None`` then, else why not."""
-        deadline = time.monotonic() + limit
+    async def _verify_woken(self, twin: Resident) -> str | None:
+        """A woken engine's verify-up: the publication check, ``/is_sleeping`` false."""
+        expect = self._expectation(twin, self.record.requested)
+        config = config_of(self.host.registry(), twin)
+        bound = self.timeouts.wake_bound(twin.signature, config, self.timeouts.verify_up_s)
+        return await self._await_verified(_unit(twin), self._verify_address(twin), expect, bound)
+
+    def _verify_address(self, resident: Resident) -> str | None:
+        """Where enforcement's verify-up asks: the single upstream when the registry has
+        one (the address the proxy uses, issue 13), else the resident's endpoint."""
+        return verify_endpoint(resident.endpoint, self.host.registry().single_upstream)
+
+    def _expectation(self, resident: Resident, requested: str | None) -> verify.Expectation:
+        """The check a resident must pass; ``/is_sleeping`` is always asked of one the
+        run paused or wakes (it was put to sleep, whatever the registry says now)."""
+        model = self.host.registry().models.get(resident.model)
+        if model is None:
+            accepted = frozenset({resident.model, resident.config})
+            return verify.Expectation(resident.model, resident.model, accepted, can_sleep=True)
+        config = model.configs.get(resident.config)
+        expect = verify.expectation(model, config, requested, self.host.service_policy(model))
+        sleeps = self.record.action_of(resident) == "pause" or resident.signature in (
+            self.record.paused
+        )
+        return replace(expect, can_sleep=expect.can_sleep or sleeps or requested is not None)
+
+    async def _await_verified(
+        self, unit: str | None, endpoint: str | None, expect: verify.Expectation, bound: UpBound
+    ) -> str | None:
+        """Poll until the unit is active and :func:`uapplace.verify.check` passes (the
+        one publication check: health, served id, not asleep, ``metricsMustMatch``);
+        ``None`` then, else why not. A unit that goes down, a wrong id or a policy
+        mismatch end the wait at once; the rest is polled within ``bound``."""
+        deadline = time.monotonic() + bound.seconds
         interval = FIRST_POLL_S
+        name = unit or expect.requested
+        last = "never active"
         while True:
-            state = await self._state(unit)
-            if state.active_state in _DOWN:
-                return f"{unit} is {_state_text(state)}"
-            if state.active_state == "active":
+            ready = True
+            if unit is not None:
+                state = await self._state(unit)
+                if state.active_state in _DOWN:
+                    return f"{unit} is {_state_text(state)}"
+                ready = state.active_state == "active"
+                last = f"unit {_state_text(state)}"
+            if ready:
                 if endpoint is None:
                     return None
-                probe_s = max(0.05, min(self.timeouts.http_s, deadline - time.monotonic()))
-                if await self.probe.health(endpoint, probe_s):
+                verdict = await verify.check(endpoint, expect, self.timeouts.http_s, self.probe)
+                if verdict.ok:
                     return None
+                if verdict.is_wrong_engine:
+                    return verdict.detail
+                last = verdict.detail
             if time.monotonic() >= deadline:
-                return f"{unit} not healthy after {limit:g}s (unit {_state_text(state)})"
+                return f"{name} not healthy after {bound.seconds:g}s ({last}); {bound.text()}"
             await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
             interval = min(interval * 1.5, MAX_POLL_S)
+
+    def _may_sleep(self, resident: Resident) -> bool:
+        """Whether ``/is_sleeping`` means anything for ``resident``: the run paused it,
+        it was paused before, or its config has a pause lever (else not asked: a
+        llama.cpp engine has no such route)."""
+        if (
+            self.record.action_of(resident) == "pause"
+            or resident.signature in self.record.paused
+            or resident.state is ResidentState.PAUSED
+            or (self.record.wake is not None and resident.signature == self.record.wake.signature)
+        ):
+            return True
+        config = config_of(self.host.registry(), resident)
+        return config is not None and config.sleep_level is not None
+
+    async def _asleep(self, resident: Resident) -> bool:
+        """``/is_sleeping`` says true (remembered for :meth:`_finish`)."""
+        if resident.endpoint is None or not self._may_sleep(resident):
+            return False
+        try:
+            asleep = await self.probe.is_sleeping(resident.endpoint, self.timeouts.http_s)
+        except engines.EngineError:
+            asleep = None
+        if asleep is True:
+            self._asleep_seen.add(resident.signature)
+        return asleep is True
 
     # ------------------------------------------------------------------ roll back
 
@@ -406,12 +544,52 @@ class Repair:
         if outcome.ok and state.active_state in _DOWN:
             self.actions.append(f"stopped {unit}, which the run had started")
             self._drop_if_published(self.record.new)
+            self.changed = True
             return True
         self.problems.append(
             f"{unit} is {_state_text(state)} after its stop job ({_outcome_text(outcome)}); "
             "the victims were not restarted (two residents must not share the device)"
         )
         return False
+
+    async def _put_back_to_sleep(self, twin: Resident) -> bool:
+        """Row 14: the woken resident that failed its check goes back to sleep, and must
+        be *seen* asleep before a victim takes the memory back. Kept ``paused``."""
+        assert twin.endpoint is not None
+        if not await self._asleep(twin):
+            config = config_of(self.host.registry(), twin)
+            level = (config.sleep_level if config is not None else None) or 1
+            try:
+                await self.probe.sleep(twin.endpoint, level, self.timeouts.stop_s)
+                self.changed = True
+            except (engines.EngineError, ValueError) as err:
+                log.warning("recovery: re-sleep of %s failed: %s", twin.signature, err)
+        if await self._asleep(twin):
+            self.host.put_resident(replace(twin, state=ResidentState.PAUSED))
+            self.actions.append(f"{twin.signature} is asleep: kept paused")
+            return True
+        self._drop_if_published(twin)
+        self.problems.append(
+            f"{twin.signature} could not be seen asleep after the cut-short wake; the victims "
+            "were not restored (two residents must not share the device)"
+        )
+        return False
+
+    async def _roll_back_victims(self) -> RecoveryReport:
+        """Rows 6-12: restart stopped victims, wake paused ones, re-verify the rest."""
+        record = self.record
+        down = await self._down_victims()
+        if record.kind == "unload" and down and len(down) == len(record.victims):
+            return self._finish(None)
+        if down:
+            self.changed = True
+            await self._restart(down)
+        for victim in record.victims:
+            if victim not in down:
+                await self._restore_running(victim)
+        if self.problems:
+            return self.report(Outcome.NEEDS_HUMAN, "")
+        return self.report(Outcome.ROLLED_BACK if self.changed else Outcome.NOTHING_CHANGED, "")
 
     async def _down_victims(self) -> list[Resident]:
         """The victims whose unit is down now (a stop still running is awaited first)."""
@@ -431,6 +609,8 @@ class Repair:
         memory = await self._memory_problem(victims)
         if memory is not None:
             self.problems.append(f"victims not restarted: {memory}")
+            for victim in victims:
+                self._drop_if_published(victim)
             return
         for victim in victims:
             unit = _unit(victim)
@@ -441,13 +621,69 @@ class Repair:
                 self.problems.append(
                     f"{unit}: start job {_outcome_text(outcome)}; unit {_state_text(state)}"
                 )
+                self._drop_if_published(victim)
                 continue
-            why = await self._wait_up(unit, victim.endpoint, self.timeouts.rollback_up_s)
+            why = await self._verify_victim(victim)
             if why is not None:
                 self.problems.append(why)
+                self._drop_if_published(victim)
                 continue
             self.host.put_resident(replace(victim, state=ResidentState.HOT))
             self.actions.append(f"restarted {unit} ({victim.signature} healthy again)")
+
+    async def _restore_running(self, victim: Resident) -> None:
+        """A victim whose unit is up: published ``hot`` only once it passes the check.
+
+        Asleep and paused before the run: stays ``paused``. Asleep because the run
+        paused it (rows 11-12): woken (``/wake_up``), then checked. Failing the check:
+        never ``hot`` — ``paused`` when it is asleep, otherwise taken out of the ledger
+        (the unit sync re-verifies the running unit before publishing it).
+        """
+        before = _before_run(victim)
+        if await self._asleep(victim):
+            if before is ResidentState.PAUSED:
+                self.host.put_resident(victim)
+                return
+            if not await self._wake(victim):
+                return
+        why = await self._verify_victim(victim)
+        if why is None:
+            self.host.put_resident(replace(victim, state=ResidentState.HOT))
+            return
+        self.problems.append(f"{victim.signature} not published: {why}")
+        if await self._asleep(victim):
+            self.host.put_resident(_paused(self.host.registry(), victim))
+        else:
+            self._drop_if_published(victim)
+
+    async def _wake(self, victim: Resident) -> bool:
+        assert victim.endpoint is not None
+        config = config_of(self.host.registry(), victim)
+        bound = self.timeouts.wake_bound(victim.signature, config, self.timeouts.rollback_up_s)
+        try:
+            await self.probe.wake(victim.endpoint, bound.seconds)
+        except engines.EngineError as err:
+            self.problems.append(f"{victim.signature}: wake_up: {err}; it stays paused")
+            self.host.put_resident(_paused(self.host.registry(), victim))
+            return False
+        self.changed = True
+        self.actions.append(f"woke {victim.signature} (the run had paused it)")
+        return True
+
+    async def _verify_victim(self, victim: Resident) -> str | None:
+        config = config_of(self.host.registry(), victim)
+        bound = self.timeouts.verify_up_bound(victim.signature, config, self.timeouts.rollback_up_s)
+        expect = self._expectation(victim, None)
+        return await self._await_verified(_unit(victim), victim.endpoint, expect, bound)
+
+    async def _settle_left_running(self) -> None:
+        """Rows 5 and 14 (a human must look): the victims are not restored, and none is
+        left ``hot`` unverified: asleep → ``paused``, otherwise out of the ledger."""
+        for victim in self.record.victims:
+            if _up(await self._victim_state(victim)) and await self._asleep(victim):
+                self.host.put_resident(_paused(self.host.registry(), victim))
+            else:
+                self._drop_if_published(victim)
 
     async def _memory_problem(self, victims: Sequence[Resident]) -> str | None:
         """Wait (``verify_free_s``) until the probe shows room for every victim to restart."""
@@ -461,17 +697,6 @@ class Repair:
             if time.monotonic() >= deadline:
                 return f"after {self.timeouts.verify_free_s:g}s: {problem}"
             await asyncio.sleep(self.timeouts.verify_free_poll_s)
-
-    def _restore_running_victims(self) -> None:
-        """Lift the crashed run's ``draining`` marks: the victims are served again as before.
-
-        A victim not published at all is left to the unit sync, which follows its unit.
-        """
-        current = {(r.model, r.config, r.device): r for r in self.host.residents()}
-        for victim in self.record.victims:
-            now = current.get((victim.model, victim.config, victim.device))
-            if now is not None and now.state is ResidentState.DRAINING:
-                self.host.put_resident(replace(now, state=_before_run(victim)))
 
     def _drop_if_published(self, resident: Resident | None) -> None:
         if resident is None:
@@ -612,9 +837,8 @@ def _outcome_text(outcome: JobOutcome) -> str:
     return f"{outcome.result}: {outcome.detail}" if outcome.detail else outcome.result
 
 
-def _metric_matches(want: str | int | float, seen: str | float | None) -> bool:
-    if seen is None:
-        return False
-    if isinstance(want, int | float) and isinstance(seen, int | float):
-        return float(want) == float(seen)
-    return str(want).strip().lower() == str(seen).strip().lower()
+def _paused(registry: Registry, victim: Resident) -> Resident:
+    """``victim`` as the ledger holds it while asleep (the enforcer's own figures)."""
+    from uapplace.enforce import paused_resident
+
+    return paused_resident(registry, victim)

@@ -33,6 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 from uapplace import engines
 from uapplace.capacity import ServicePolicy
@@ -106,6 +107,38 @@ class Verdict:
         return self.outcome in (Outcome.WRONG_ID, Outcome.METRICS)
 
 
+class Probe(Protocol):
+    """The engine endpoints :func:`check` reads (the start-up repair passes its own,
+    faked in unit tests); :data:`HTTP` is the real one."""
+
+    async def health(self, endpoint: str, timeout_s: float) -> bool: ...
+
+    async def served_ids(self, endpoint: str, timeout_s: float) -> list[str]: ...
+
+    async def metrics(self, endpoint: str, timeout_s: float) -> dict[str, float | str]: ...
+
+    async def is_sleeping(self, endpoint: str, timeout_s: float) -> bool | None: ...
+
+
+class HttpProbe:
+    """:class:`Probe` over :mod:`uapplace.engines` (real HTTP)."""
+
+    async def health(self, endpoint: str, timeout_s: float) -> bool:
+        return await engines.health(endpoint, timeout_s=timeout_s)
+
+    async def served_ids(self, endpoint: str, timeout_s: float) -> list[str]:
+        return await engines.served_ids(endpoint, timeout_s=timeout_s)
+
+    async def metrics(self, endpoint: str, timeout_s: float) -> dict[str, float | str]:
+        return await engines.metrics(endpoint, timeout_s=timeout_s)
+
+    async def is_sleeping(self, endpoint: str, timeout_s: float) -> bool | None:
+        return await engines.is_sleeping(endpoint, timeout_s)
+
+
+HTTP = HttpProbe()
+
+
 async def served_problem(endpoint: str, expect: Expectation, http_s: float) -> str | None:
     """``/v1/models`` must list an accepted id; ``None`` when it does, else why not."""
     problem, _ids = await _served(endpoint, expect, http_s)
@@ -113,11 +146,11 @@ async def served_problem(endpoint: str, expect: Expectation, http_s: float) -> s
 
 
 async def _served(
-    endpoint: str, expect: Expectation, http_s: float
+    endpoint: str, expect: Expectation, http_s: float, probe: Probe = HTTP
 ) -> tuple[str | None, tuple[str, ...] | None]:
     """(problem, served ids); served is ``None`` when ``/v1/models`` gave no usable list."""
     try:
-        served = await engines.served_ids(endpoint, timeout_s=http_s)
+        served = await probe.served_ids(endpoint, http_s)
     except engines.EngineError as err:
         return str(err), None
     if expect.accepted.intersection(served):
@@ -128,12 +161,14 @@ async def _served(
     ), tuple(served)
 
 
-async def metrics_problem(policy: ServicePolicy, endpoint: str, http_s: float) -> str | None:
+async def metrics_problem(
+    policy: ServicePolicy, endpoint: str, http_s: float, probe: Probe = HTTP
+) -> str | None:
     """The capacity policy's ``metricsMustMatch`` against the engine's ``/metrics``."""
     if not policy.metrics_must_match:
         return None
     try:
-        seen = await engines.metrics(endpoint, timeout_s=http_s)
+        seen = await probe.metrics(endpoint, http_s)
     except engines.EngineError as err:
         return f"metricsMustMatch of service {policy.name}: {err}"
     wrong = [
@@ -154,18 +189,18 @@ def metric_matches(want: str | int | float, seen: str | float | None) -> bool:
     return str(want).strip().lower() == str(seen).strip().lower()
 
 
-async def check(endpoint: str, expect: Expectation, http_s: float) -> Verdict:
+async def check(endpoint: str, expect: Expectation, http_s: float, probe: Probe = HTTP) -> Verdict:
     """One full look at a running engine: health, served id, metrics (in that order)."""
-    if not await engines.health(endpoint, timeout_s=http_s):
+    if not await probe.health(endpoint, http_s):
         return Verdict(Outcome.UNHEALTHY, f"{endpoint}/health is not 200 yet")
-    problem, served = await _served(endpoint, expect, http_s)
+    problem, served = await _served(endpoint, expect, http_s, probe)
     if problem is not None:
         if served is None:
             return Verdict(Outcome.UNHEALTHY, problem)
         return Verdict(Outcome.WRONG_ID, problem, served)
     assert served is not None
     if expect.can_sleep:
-        asleep = await engines.is_sleeping(endpoint, http_s)
+        asleep = await probe.is_sleeping(endpoint, http_s)
         if asleep is not False:
             why = (
                 "is asleep (paused): only a wake publishes it"
@@ -175,7 +210,7 @@ async def check(endpoint: str, expect: Expectation, http_s: float) -> Verdict:
             return Verdict(Outcome.UNHEALTHY, f"{endpoint} {why}", served)
     checked = ""
     if expect.policy is not None and expect.policy.metrics_must_match:
-        problem = await metrics_problem(expect.policy, endpoint, http_s)
+        problem = await metrics_problem(expect.policy, endpoint, http_s, probe)
         if problem is not None:
             return Verdict(Outcome.METRICS, problem, served)
         checked = f"; metricsMustMatch {', '.join(expect.policy.metrics_must_match)} as policy"

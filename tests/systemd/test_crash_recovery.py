@@ -37,6 +37,7 @@ from dbus_fast import Message, MessageType
 from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
 from tests.systemd.conftest import EngineUnit, UnitFiles
 from tests.systemd.placement_world import FAST, POLICY, UnitTimeline, registry_json
+from uapplace import engines
 from uapplace.client import PlacementClient, PlacementError, bus_daemon_message
 from uapplace.paths import INTERFACE
 from uapplace.sim import proxy as sim_proxy
@@ -61,6 +62,9 @@ class Case:
     """The model hot after the repair (the other one's unit is inactive)."""
     reapply: bool = False
     """Apply the re-planned placement again after the repair: it must now succeed."""
+    pause: bool = False
+    """Both engines run ``--sleep-mode``, both configs declare ``pause_lever`` and the
+    apply takes the option that *pauses* alpha (issue 12) instead of stopping it."""
 
 
 CASES = [
@@ -148,13 +152,18 @@ async def world(
     try:
         uap = make_env(tmp_path / "uap", user_manager.bus_address)
         sim = SimGpu(Path(uap.env["UAPPLACE_SIM_GPU"]))
-        load = ["--load-secs", "0.3", "--kv", "int8"]
+        load = ["--load-secs", "0.3", "--kv", "int8", *(["--sleep-mode"] if case.pause else [])]
         alpha = unit_files.engine("alpha", "alpha", sim, mib=14000, engine_args=load)
         beta_args = [*load, "--advertise", "beta-latest", *case.beta_args]
         beta = unit_files.engine("beta", "beta", sim, mib=16000, engine_args=beta_args)
         await units.reload()
         host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
-        uap.write_registry(registry_json(alpha, beta, host_mib))
+        registry = registry_json(alpha, beta, host_mib)
+        if case.pause:
+            for model in registry["models"].values():
+                for config in model["configs"].values():
+                    config["pause_lever"] = "vllm-sleep-1"
+        uap.write_registry(registry)
         (uap.config_dir / "capacity-policy.json").write_text(json.dumps(POLICY), encoding="utf-8")
         uap.home.mkdir(parents=True, exist_ok=True)
         (uap.home / "enforcement-timeouts.json").write_text(
@@ -187,8 +196,15 @@ async def park_beta(world: CrashWorld, client: PlacementClient) -> tuple[str, in
         return entry["options"] if entry is not None and entry["options"] else None
 
     options: list[dict[str, Any]] = await world.until("beta's options", planned)
-    index, option = next((i, o) for i, o in enumerate(options, 1) if o["kind"] == "displace")
-    signature = sorted(f"{v['model']}/{v['config']}" for v in option["victims"])
+    action = "pause" if world.case.pause else "stop"
+    index, option = next(
+        (i, o)
+        for i, o in enumerate(options, 1)
+        if o["kind"] == "displace" and all(v.get("action", "stop") == action for v in o["victims"])
+    )
+    signature = sorted(
+        option.get("signature") or (f"{v['model']}/{v['config']}" for v in option["victims"])
+    )
     return placement_id, index, signature
 
 
@@ -202,7 +218,7 @@ async def crash_during_apply(world: CrashWorld, case: Case) -> tuple[str, dict[s
 
         await world.until("alpha hot", alpha_hot)
         placement_id, index, signature = await park_beta(world, client)
-        assert signature == ["alpha/a1"], signature
+        assert signature == ["alpha/a1@pause" if case.pause else "alpha/a1"], signature
         apply = asyncio.ensure_future(client.apply(placement_id, index, signature))
         daemon = world.daemon
         assert daemon is not None
@@ -415,3 +431,63 @@ async def test_a_kill_on_the_start_signal_while_the_new_engine_loads_finishes_th
     assert journal["step"] in ("start", "verify-up"), journal
     world.case = replace(case, crash_at=journal["step"])
     await check_recovered(world, world.case, placement_id, journal)
+
+
+PAUSE_CASES = [
+    # alpha asleep (the pause is done, journaled as verify-free), beta never started:
+    # alpha is woken and verified before it is hot again.
+    Case("verify-free", (), "rolled_back", "alpha", pause=True),
+    # beta started and verifies while alpha sleeps: finished, alpha kept paused, not woken.
+    Case("verify-up", (), "finished", "beta", pause=True),
+]
+
+
+@pytest.mark.parametrize(
+    "world", [pytest.param(c, id=f"pause-{c.crash_at}") for c in PAUSE_CASES], indirect=True
+)
+async def test_a_pause_run_killed_after_the_pause_never_publishes_a_sleeping_victim(
+    world: CrashWorld,
+) -> None:
+    """The victim a crashed run put to sleep answers ``/health`` 200 and lists its id, so
+    only ``/is_sleeping`` tells it apart: recovery wakes and verifies it, or keeps it
+    ``paused`` beside the verified new model; never ``hot`` unverified."""
+    case = world.case
+    placement_id, journal = await crash_during_apply(world, case)
+    assert journal["victim_actions"] == {"alpha/a1": "pause"}, journal
+    assert journal["paused"] == ["alpha/a1"], journal
+    assert await engines.is_sleeping(world.alpha.endpoint) is True  # the crash left it asleep
+    run_id = journal["run_id"]
+    client = await world.start_daemon(None)
+    try:
+
+        async def alert() -> dict[str, Any] | None:
+            alerts = (await client.get_state())["alerts"]
+            return next((a for a in alerts if a["subject"] == run_id), None)
+
+        found: dict[str, Any] = await world.until(f"the recovery alert for {run_id}", alert)
+        print(f"pause {case.crash_at}: {found['message']}")
+        assert (found["kind"], found["detail"]["outcome"]) == ("recovery_done", case.outcome)
+        assert "alpha/a1" in found["message"], found
+        want = {"alpha": "hot"} if case.serving == "alpha" else {"alpha": "paused", "beta": "hot"}
+
+        async def settled() -> dict[str, str] | None:
+            states = await resident_states(client)
+            return states if states == want else None
+
+        await world.until(f"residents {want}", settled)
+        asleep = await engines.is_sleeping(world.alpha.endpoint)
+        if case.serving == "alpha":
+            assert "woke alpha/a1" in found["message"], found
+            assert asleep is False
+            assert (await world.units.state(world.beta.name)).active_state in (
+                "inactive",
+                "failed",
+            )
+        else:
+            assert "kept alpha/a1 paused" in found["message"], found
+            assert asleep is True
+            assert placement_id not in {e["id"] for e in (await client.list_pending())["pending"]}
+        assert (await world.units.state(world.alpha.name)).active_state == "active"
+        assert not world.journal.exists()
+    finally:
+        client.disconnect()

@@ -126,9 +126,11 @@ def test_a_wrong_field_is_a_journal_error_naming_it(
     [
         (b"{not json", "invalid JSON"),
         (b"\xff\xfe", "not UTF-8"),
-        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-        (b" " * (MAX_JOURNAL_BYTES + 1), "larger than"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested deeper than"),
+        (b" " * (MAX_JOURNAL_BYTES + 1), "over the 1 MiB limit"),
         (b"[]", "(document)"),
+        (b'{"version": 1, "version": 1}', "duplicate key 'version'"),
+        (b'{"version": NaN}', "NaN is not a finite number"),
     ],
 )
 def test_hostile_content_is_a_journal_error_not_a_traceback(

@@ -10,6 +10,7 @@ table against real units and a real SIGKILL: ``tests/systemd/test_crash_recovery
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,6 +24,8 @@ from uapplace.enforce import Timeouts
 from uapplace.engines import EngineError
 from uapplace.journal import Journal, RunRecord
 from uapplace.model import (
+    Config,
+    ConfigStatus,
     DeviceKind,
     DeviceReading,
     Model,
@@ -75,20 +78,28 @@ def run_record(
     kind: str = "apply",
     victims: Sequence[Resident] = (ALPHA,),
     new: Resident | None = BETA,
+    paused: Sequence[Resident] = (),
+    wake: Resident | None = None,
 ) -> RunRecord:
+    requested = "beta-latest" if new is not None else "alpha"
+    if wake is not None:
+        requested = wake.model
     return RunRecord(
         run_id="run-cafe",
         kind=kind,  # type: ignore[arg-type]
-        requested="beta-latest" if new is not None else "alpha",
+        requested=requested,
         device="gpu0",
         placement_id="plc-000001" if kind == "apply" else None,
         victims=tuple(victims),
         new=new,
-        accepted_ids=("beta-latest", "beta", "b1") if new is not None else (),
+        accepted_ids=("beta-latest", "beta", "b1") if new is not None and wake is None else (),
         step=step,
         started_at=1_790_000_000.0,
         updated_at=1_790_000_001.0,
         detail="verify-up: beta.service not healthy after 600s" if "rollback" in step else "",
+        victim_actions={v.signature: "pause" if v in paused else "stop" for v in victims},
+        paused=tuple(v.signature for v in paused),
+        wake=wake,
     )
 
 
@@ -133,6 +144,11 @@ class FakeEngines:
     )
     never_healthy: set[str] = field(default_factory=set)
     kv: str = "int8"
+    asleep: set[str] = field(default_factory=set)
+    """Endpoints whose engine sleeps (vLLM: still healthy, still lists its id)."""
+    refuse_wake: set[str] = field(default_factory=set)
+    refuse_sleep: set[str] = field(default_factory=set)
+    levers: list[str] = field(default_factory=list)
 
     def _unit(self, endpoint: str) -> str:
         return {ALPHA_URL: "alpha", BETA_URL: "beta", GAMMA_URL: "gamma"}[endpoint] + ".service"
@@ -149,6 +165,23 @@ class FakeEngines:
     async def metrics(self, endpoint: str, timeout_s: float) -> dict[str, float | str]:
         return {"kv": self.kv}
 
+    async def is_sleeping(self, endpoint: str, timeout_s: float) -> bool | None:
+        if not await self.health(endpoint, timeout_s):
+            return None
+        return endpoint in self.asleep
+
+    async def sleep(self, endpoint: str, level: int, timeout_s: float) -> None:
+        self.levers.append(f"sleep {endpoint}")
+        if endpoint in self.refuse_sleep:
+            raise EngineError(f"{endpoint}/sleep: 500")
+        self.asleep.add(endpoint)
+
+    async def wake(self, endpoint: str, timeout_s: float) -> None:
+        self.levers.append(f"wake {endpoint}")
+        if endpoint in self.refuse_wake:
+            raise EngineError(f"{endpoint}/wake_up: 500")
+        self.asleep.discard(endpoint)
+
 
 @dataclass
 class FakeHost:
@@ -160,10 +193,18 @@ class FakeHost:
     resolved: list[tuple[str, str]] = field(default_factory=list)
     replans: int = 0
     policy: ServicePolicy | None = None
+    configs: dict[str, Config] = field(default_factory=dict)
+    """Model key → its one config, where a test needs the config's facts."""
 
     def registry(self) -> Registry:
         models = {
-            key: Model(key=key, display=key, engine="llama.cpp", configs={}, service=f"{key}-srv")
+            key: Model(
+                key=key,
+                display=key,
+                engine="llama.cpp",
+                configs={self.configs[key].key: self.configs[key]} if key in self.configs else {},
+                service=f"{key}-srv",
+            )
             for key in ("alpha", "beta", "gamma")
         }
         return Registry(devices={}, models=models)
@@ -552,3 +593,263 @@ async def test_row10_a_victim_that_restarts_but_never_turns_healthy_needs_a_huma
     assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
     assert "alpha.service not healthy after 0.3s" in report.message
     assert s.host.states() == {}
+
+
+# --------------------------------------------------------------------------- rows 11-14: pause
+
+
+PAUSED_GAMMA = replace(GAMMA, state=ResidentState.PAUSED, gpu_mib=500.0)
+
+
+@pytest.mark.parametrize("step", ["pause", "verify-free", "start"])
+async def test_row11_a_victim_the_run_put_to_sleep_is_woken_and_verified_before_it_is_hot(
+    tmp_path: Path, step: str
+) -> None:
+    s = scene(
+        tmp_path,
+        run_record(step, paused=(ALPHA,)),
+        {"alpha.service": "active", "beta.service": "inactive"},
+        [DRAINING_ALPHA],
+    )
+    s.engines.asleep.add(ALPHA_URL)
+
+    report = await s.recover()
+
+    assert report is not None and report.outcome is Outcome.ROLLED_BACK
+    assert s.engines.levers == [f"wake {ALPHA_URL}"] and s.units.jobs == []
+    assert ALPHA_URL not in s.engines.asleep
+    assert s.host.states() == {"alpha": "hot"}
+    assert "woke alpha/a1 (the run had paused it)" in report.message
+
+
+async def test_row11_a_sleeping_victim_that_will_not_wake_stays_paused_and_needs_a_human(
+    tmp_path: Path,
+) -> None:
+    s = scene(
+        tmp_path,
+        run_record("verify-free", paused=(ALPHA,)),
+        {"alpha.service": "active", "beta.service": "inactive"},
+        [DRAINING_ALPHA],
+    )
+    s.engines.asleep.add(ALPHA_URL)
+    s.engines.refuse_wake.add(ALPHA_URL)
+
+    report = await s.recover()
+
+    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
+    assert s.host.states() == {"alpha": "paused"}  # never hot while asleep
+    kind, severity, subject, message, _ = s.only_alert()
+    assert (kind, severity, subject) == (
+        AlertKind.RECOVERY_NEEDED,
+        Severity.CRITICAL,
+        "run-cafe",
+    )
+    assert "alpha/a1: wake_up" in message and "stays paused" in message
+
+
+async def test_row11_a_woken_victim_that_fails_the_check_is_not_published(
+    tmp_path: Path,
+) -> None:
+    s = scene(
+        tmp_path,
+        run_record("start", paused=(ALPHA,)),
+        {"alpha.service": "active", "beta.service": "inactive"},
+        [DRAINING_ALPHA],
+    )
+    s.engines.asleep.add(ALPHA_URL)
+    s.engines.served[ALPHA_URL] = ["someone-else"]
+
+    report = await s.recover()
+
+    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
+    assert s.host.states() == {}  # out of the ledger: the unit sync re-verifies it
+    assert "alpha/a1 not published" in report.message and "serves [someone-else]" in report.message
+
+
+async def test_a_running_victim_is_never_lifted_back_to_hot_without_passing_the_check(
+    tmp_path: Path,
+) -> None:
+    s = scene(
+        tmp_path,
+        run_record("stop"),
+        {"alpha.service": "active", "beta.service": "inactive"},
+        [DRAINING_ALPHA],
+    )
+    s.engines.never_healthy.add(ALPHA_URL)
+
+    report = await s.recover()
+
+    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
+    assert s.host.states() == {}
+    assert "alpha/a1 not published: alpha.service not healthy after 0.3s" in report.message
+
+
+async def test_row12_a_victim_asleep_beside_the_verified_new_model_stays_paused(
+    tmp_path: Path,
+) -> None:
+    s = scene(
+        tmp_path,
+        run_record("verify-up", paused=(ALPHA,)),
+        {"alpha.service": "active", "beta.service": "active"},
+        [DRAINING_ALPHA],
+    )
+    s.engines.asleep.add(ALPHA_URL)
+
+    report = await s.recover()
+
+    assert report is not None and report.outcome is Outcome.FINISHED
+    assert s.host.states() == {"alpha": "paused", "beta": "hot"}
+    assert s.engines.levers == [] and ALPHA_URL in s.engines.asleep  # not woken
+    assert s.host.resolved == [("plc-000001", "applied")]
+    assert "kept alpha/a1 paused (seen asleep; not woken)" in report.message
+
+
+async def test_row12_a_paused_victim_found_awake_beside_the_new_unit_keeps_the_device(
+    tmp_path: Path,
+) -> None:
+    s = scene(
+        tmp_path,
+        run_record("verify-up", paused=(ALPHA,)),
+        {"alpha.service": "active", "beta.service": "active"},
+        [DRAINING_ALPHA],
+    )
+
+    report = await s.recover()
+
+    assert report is not None and report.outcome is Outcome.ROLLED_BACK
+    assert s.units.jobs == ["stop beta.service"]
+    assert s.host.states() == {"alpha": "hot"}
+    assert "alpha/a1 is running too" in report.message
+
+
+async def test_row13_a_wake_run_whose_woken_engine_verifies_is_finished(tmp_path: Path) -> None:
+    record = run_record("wake", victims=(ALPHA,), new=None, wake=PAUSED_GAMMA)
+    s = scene(
+        tmp_path,
+        record,
+        {"alpha.service": "inactive", "gamma.service": "active"},
+        [DRAINING_ALPHA, PAUSED_GAMMA],
+    )
+
+    report = await s.recover()
+
+    assert report is not None and report.outcome is Outcome.FINISHED
+    assert s.host.states() == {"gamma": "hot"}
+    assert s.host.resolved == [("plc-000001", "applied")]
+    assert "published gamma/g1 hot" in report.message
+
+
+async def test_row14_a_wake_run_cut_short_before_the_wake_keeps_it_paused_and_rolls_back(
+    tmp_path: Path,
+) -> None:
+    record = run_record("wake", victims=(ALPHA,), new=None, wake=PAUSED_GAMMA)
+    s = scene(
+        tmp_path,
+        record,
+        {"alpha.service": "inactive", "gamma.service": "active"},
+        [DRAINING_ALPHA, PAUSED_GAMMA],
+    )
+    s.engines.asleep.add(GAMMA_URL)
+
+    report = await s.recover()
+
+    assert report is not None and report.outcome is Outcome.ROLLED_BACK
+    assert s.host.states() == {"alpha": "hot", "gamma": "paused"}
+    assert s.units.jobs == ["start alpha.service"]
+    assert "gamma/g1 is asleep: kept paused" in report.message
+
+
+async def test_row14_a_wake_run_cut_short_before_the_wake_never_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    record = run_record("verify-free", victims=(ALPHA,), new=None, wake=PAUSED_GAMMA)
+    s = scene(
+        tmp_path,
+        record,
+        {"alpha.service": "inactive", "gamma.service": "active"},
+        [DRAINING_ALPHA, PAUSED_GAMMA],
+    )
+    s.engines.asleep.add(GAMMA_URL)
+
+    report = await s.recover()
+
+    assert report is not None and report.outcome is Outcome.ROLLED_BACK
+    assert "cut short at verify-free, before the wake" in report.message
+    assert s.engines.levers == [] and s.host.states() == {"alpha": "hot", "gamma": "paused"}
+
+
+async def test_row14_a_woken_engine_failing_its_check_goes_back_to_sleep_first(
+    tmp_path: Path,
+) -> None:
+    record = run_record("rollback-sleep", victims=(ALPHA,), new=None, wake=PAUSED_GAMMA)
+    s = scene(
+        tmp_path,
+        record,
+        {"alpha.service": "inactive", "gamma.service": "active"},
+        [DRAINING_ALPHA, PAUSED_GAMMA],
+    )
+
+    report = await s.recover()
+
+    assert report is not None and report.outcome is Outcome.ROLLED_BACK
+    assert s.engines.levers == [f"sleep {GAMMA_URL}"]
+    assert s.host.states() == {"alpha": "hot", "gamma": "paused"}
+
+
+async def test_row14_a_woken_engine_that_will_not_sleep_keeps_the_victims_down(
+    tmp_path: Path,
+) -> None:
+    record = run_record("wake", victims=(ALPHA,), new=None, wake=PAUSED_GAMMA)
+    s = scene(
+        tmp_path,
+        record,
+        {"alpha.service": "inactive", "gamma.service": "active"},
+        [DRAINING_ALPHA, PAUSED_GAMMA],
+    )
+    s.engines.served[GAMMA_URL] = ["not-gamma"]
+    s.engines.refuse_sleep.add(GAMMA_URL)
+
+    report = await s.recover()
+
+    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
+    assert s.units.jobs == []  # alpha NOT started beside an awake gamma
+    assert s.host.states() == {}
+    assert "gamma/g1 could not be seen asleep" in report.message
+
+
+async def test_a_journal_written_before_the_pause_fields_still_reads(tmp_path: Path) -> None:
+    s = scene(tmp_path, run_record("verify-free"), {"alpha.service": "inactive"})
+    old = json.loads(s.journal.path.read_text(encoding="utf-8"))
+    for key in ("victim_actions", "paused", "wake"):
+        del old[key]
+    s.journal.path.write_text(json.dumps(old), encoding="utf-8")
+
+    record = s.journal.read()
+
+    assert record is not None and record.victim_actions == {} and record.wake is None
+    assert record.action_of(ALPHA) == "stop" and record.pausing == ()
+
+
+def test_the_pause_fields_survive_the_round_trip(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "enforcement-journal.json")
+    written = run_record("rollback-wake", victims=(ALPHA, GAMMA), paused=(GAMMA,), wake=BETA)
+    journal.write(written)
+
+    assert journal.read() == written
+
+
+async def test_the_new_unit_is_waited_for_within_its_configs_own_bound(tmp_path: Path) -> None:
+    s = scene(
+        tmp_path,
+        run_record("verify-up"),
+        {"alpha.service": "inactive", "beta.service": "active"},
+        [DRAINING_ALPHA],
+    )
+    s.host.configs["beta"] = Config("b1", ConfigStatus.MEASURED, start_timeout_s=0.5)
+    s.engines.never_healthy.add(BETA_URL)
+
+    report = await s.recover()
+
+    assert report is not None and report.outcome is Outcome.ROLLED_BACK
+    assert "not healthy after 0.5s" in report.message  # not FAST.verify_up_s (0.3 s)
+    assert "start_timeout_s of beta/b1" in report.message
