@@ -108,6 +108,20 @@ EMPTYING_ALERTS = frozenset(
 )
 """Alerts that name why a device is emptier (``resident_dropped``: its unit failed)."""
 ORPHAN_ALERTS = frozenset({"probe_mismatch", "rollback_incomplete", "recovery_needed"})
+
+
+def reported_pids(alerts: list[dict[str, Any]]) -> set[int]:
+    """The processes open alerts name in their ``detail.pids`` (a ``probe_mismatch`` lists
+    every process holding device memory outside a resident's unit)."""
+    named: set[int] = set()
+    for alert in alerts:
+        detail = alert.get("detail")
+        pids = detail.get("pids") if isinstance(detail, dict) else None
+        if isinstance(pids, list):
+            named.update(p for p in pids if isinstance(p, int))
+    return named
+
+
 TIMEOUTS = {
     "drain_s": 0.5,
     "stop_s": 8.0,
@@ -796,10 +810,14 @@ class Chaos:
             with contextlib.suppress(OSError, ValueError):
                 orphans.add(int(pidfile.read_text(encoding="ascii").strip()))
         state = await self._call("state", self.client.get_state())
-        kinds = {a.get("kind") for a in (state or {}).get("alerts", [])}
+        alerts = (state or {}).get("alerts", [])
+        kinds = {a.get("kind") for a in alerts}
+        named = reported_pids(alerts)
         for allocation in self.sim.read().allocations:
             if allocation.pid in owned or not pid_alive(allocation.pid):
                 continue
+            if allocation.pid in named:
+                continue  # an alert names this very process
             if allocation.pid in orphans and kinds & ORPHAN_ALERTS:
                 continue
             self.violate(
