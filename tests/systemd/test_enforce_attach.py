@@ -57,8 +57,19 @@ async def connections_of_this_process(address: str) -> int:
         for name in names:
             if not name.startswith(":") or name == bus.unique_name:
                 continue
-            pid = await _bus_call(bus, "GetConnectionUnixProcessID", "s", name)
-            count += pid == os.getpid()
+            reply = await bus.call(
+                Message(
+                    destination="org.freedesktop.DBus",
+                    path="/org/freedesktop/DBus",
+                    interface="org.freedesktop.DBus",
+                    member="GetConnectionUnixProcessID",
+                    signature="s",
+                    body=[name],
+                )
+            )
+            if reply is None or reply.message_type is not MessageType.METHOD_RETURN:
+                continue  # the connection closed between ListNames and this call
+            count += reply.body[0] == os.getpid()
         return count
     finally:
         bus.disconnect()

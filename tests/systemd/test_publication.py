@@ -279,6 +279,8 @@ async def test_a_restarted_daemon_parks_warming_until_its_own_verify_up(
     await machine.until("alpha verified", lambda: _is(machine.resident_state("alpha"), "hot"))
 
     def ledger_says_hot() -> bool:
+        if not machine.uap.ledger.exists():
+            return False  # the first write-behind has not landed yet
         rows = machine.uap.read_ledger().get("residents", [])
         return any(r["model"] == "alpha" and r["state"] == "hot" for r in rows)
 
