@@ -142,12 +142,19 @@ from uapplace.model import (
     Resident,
     ResidentState,
     iso,
+    processes_text,
 )
 from uapplace.planner import PlanInput, config_of, pause_figures, plan
 from uapplace.recovery import ControllerRecoveryHost, recover
 from uapplace.registry import read_json, unit_file_name, valid_unit_name
 from uapplace.topology import verify_endpoint
-from uapplace.units import JobOutcome, UnitError, UnitManager, UnitState
+from uapplace.units import (
+    UnitError,
+    UnitManager,
+    UnitState,
+    outcome_text,
+    state_text,
+)
 from uapplace.unitsync import EnforcementMarks, ResidentKey, UnitSync, resident_key
 
 if TYPE_CHECKING:
@@ -1379,7 +1386,7 @@ class Enforcer:
             outcome = await self.units.stop_unit(unit, self.timeouts.stop_s)
             if not outcome.ok:
                 state = await self._state_text(unit)
-                raise run.fail(STOP, f"{unit}: stop job {_outcome_text(outcome)}; unit {state}")
+                raise run.fail(STOP, f"{unit}: stop job {outcome_text(outcome)}; unit {state}")
         run.record(STOP, True, f"stopped {', '.join(units)}")
         await self._journal_step(run, target, VERIFY_FREE)
 
@@ -1600,9 +1607,7 @@ class Enforcer:
         unexpected = [p for p in reading.processes if p.pid not in expected]
         if not unexpected:
             return "every process on the device belongs to a staying resident"
-        rows = "; ".join(
-            f"pid {p.pid} `{p.command or '?'}` {p.used_mib:,.0f} MiB" for p in unexpected
-        )
+        rows = processes_text(unexpected)
         return f"processes on {target.device} that are not an expected resident: {rows}"
 
     # ------------------------------------------------------------------ start / verify-up
@@ -1618,7 +1623,7 @@ class Enforcer:
         outcome = await self.units.start_unit(unit, self.timeouts.start_s)
         if not outcome.ok:
             state = await self._state_text(unit)
-            raise run.fail(START, f"{unit}: start job {_outcome_text(outcome)}; unit {state}")
+            raise run.fail(START, f"{unit}: start job {outcome_text(outcome)}; unit {state}")
         run.record(START, True, f"started {unit}")
         await self._journal_step(run, target, VERIFY_UP)
 
@@ -1855,10 +1860,10 @@ class Enforcer:
         assert unit is not None
         outcome = await self.units.stop_unit(unit, self.timeouts.stop_s)
         state = await self._fresh_state(unit)
-        job = _outcome_text(outcome)
+        job = outcome_text(outcome)
         if state is not None and state.active_state in _DOWN_STATES:
             seen = (
-                "does not exist" if state.load_state == "not-found" else f"is {_state_text(state)}"
+                "does not exist" if state.load_state == "not-found" else f"is {state_text(state)}"
             )
             run.record(
                 ROLLBACK_STOP,
@@ -1872,8 +1877,8 @@ class Enforcer:
                 if stale is not None:
                     self.host.drop_resident(stale)
             return True
-        state_text = _state_text(state) if state is not None else "state unknown"
-        observed = f"{unit} still {state_text} after its stop job ({job})"
+        now = state_text(state) if state is not None else "state unknown"
+        observed = f"{unit} still {now} after its stop job ({job})"
         run.record(
             ROLLBACK_STOP,
             False,
@@ -1898,7 +1903,7 @@ class Enforcer:
             outcome = await self.units.start_unit(unit, self.timeouts.start_s)
             if not outcome.ok:
                 state = await self._state_text(unit)
-                why = f"{unit}: start job {_outcome_text(outcome)}; unit {state}"
+                why = f"{unit}: start job {outcome_text(outcome)}; unit {state}"
                 run.record(ROLLBACK_START, False, why)
                 restore.fail(unit, why)
                 continue
@@ -1998,7 +2003,7 @@ class Enforcer:
             state = await self._fresh_state(unit)
             if state is not None and state.active_state in _DOWN_STATES:
                 continue
-            text = _state_text(state) if state is not None else "state unknown"
+            text = state_text(state) if state is not None else "state unknown"
             out.append(RunningAfter(model, config, device, unit, text))
         return tuple(out)
 
@@ -2113,7 +2118,7 @@ class Enforcer:
 
     async def _state_text(self, unit: str) -> str:
         state = await self._fresh_state(unit)
-        return _state_text(state) if state is not None else "state unknown"
+        return state_text(state) if state is not None else "state unknown"
 
 
 # --------------------------------------------------------------------------- rollback
@@ -2265,7 +2270,7 @@ def _unit_problems(facts: PreflightFacts) -> list[str]:
         # rollback would stop what ran before this run: refuse instead.
         pid = f", MainPID {state.main_pid}" if state.main_pid else ""
         problems.append(
-            f"unit {unit}: already {_state_text(state)}{pid} but not a verified resident; "
+            f"unit {unit}: already {state_text(state)}{pid} but not a verified resident; "
             "stop it, or let the unit sync verify it, before placing it"
         )
     return problems
@@ -2389,17 +2394,6 @@ def _unit_of(resident: Resident) -> str | None:
 
 def _units_of(residents: Iterable[Resident]) -> list[str]:
     return list(dict.fromkeys(u for u in (_unit_of(r) for r in residents) if u))
-
-
-def _state_text(state: UnitState) -> str:
-    text = f"{state.active_state}/{state.sub_state}"
-    if state.result and state.result != "success":
-        text += f" (result {state.result})"
-    return text
-
-
-def _outcome_text(outcome: JobOutcome) -> str:
-    return f"{outcome.result}: {outcome.detail}" if outcome.detail else outcome.result
 
 
 def _same_placement(a: Option, b: Option) -> bool:

@@ -10,7 +10,7 @@ ISO-8601 UTC strings in files and on the wire.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -280,6 +280,11 @@ class ProcessUsage:
     pid: int
     used_mib: float
     command: str = ""
+
+
+def processes_text(processes: Iterable[ProcessUsage]) -> str:
+    """``pid 1234 `cmd` 12,000 MiB; …``: how steps and alerts name who holds device memory."""
+    return "; ".join(f"pid {p.pid} `{p.command or '?'}` {p.used_mib:,.0f} MiB" for p in processes)
 
 
 @dataclass(frozen=True)

@@ -127,11 +127,19 @@ from uapplace.journal import (
     JournalError,
     RunRecord,
 )
-from uapplace.model import DeviceReading, Model, ProbeSource, Registry, Resident, ResidentState
+from uapplace.model import (
+    DeviceReading,
+    Model,
+    ProbeSource,
+    Registry,
+    Resident,
+    ResidentState,
+    processes_text,
+)
 from uapplace.planner import config_of
 from uapplace.registry import unit_file_name
 from uapplace.topology import verify_endpoint
-from uapplace.units import JobOutcome, UnitError, UnitState
+from uapplace.units import JobOutcome, UnitError, UnitState, outcome_text, state_text
 
 if TYPE_CHECKING:
     from uapplace.controller import Controller
@@ -493,9 +501,9 @@ class Repair:
             if unit is not None:
                 state = await self._state(unit)
                 if state.active_state in _DOWN:
-                    return f"{unit} is {_state_text(state)}"
+                    return f"{unit} is {state_text(state)}"
                 ready = state.active_state == "active"
-                last = f"unit {_state_text(state)}"
+                last = f"unit {state_text(state)}"
             if ready:
                 if endpoint is None:
                     return None
@@ -547,7 +555,7 @@ class Repair:
             self.changed = True
             return True
         self.problems.append(
-            f"{unit} is {_state_text(state)} after its stop job ({_outcome_text(outcome)}); "
+            f"{unit} is {state_text(state)} after its stop job ({outcome_text(outcome)}); "
             "the victims were not restarted (two residents must not share the device)"
         )
         return False
@@ -619,7 +627,7 @@ class Repair:
             if not outcome.ok:
                 state = await self._state(unit)
                 self.problems.append(
-                    f"{unit}: start job {_outcome_text(outcome)}; unit {_state_text(state)}"
+                    f"{unit}: start job {outcome_text(outcome)}; unit {state_text(state)}"
                 )
                 self._drop_if_published(victim)
                 continue
@@ -819,22 +827,9 @@ def _room_problem(reading: DeviceReading | None, device: str, need: float) -> st
         return f"{device} cannot be read: {reading.error or 'absent'}"
     if reading.free_mib + 1e-6 >= need:
         return None
-    rows = "; ".join(
-        f"pid {p.pid} `{p.command or '?'}` {p.used_mib:,.0f} MiB" for p in reading.processes
-    )
+    rows = processes_text(reading.processes)
     held = f" (processes on it: {rows})" if rows else ""
     return f"{device} has {reading.free_mib:,.0f} MiB free, the victims need {need:,.0f} MiB{held}"
-
-
-def _state_text(state: UnitState) -> str:
-    text = f"{state.active_state}/{state.sub_state}"
-    if state.result and state.result != "success":
-        text += f" (result {state.result})"
-    return text
-
-
-def _outcome_text(outcome: JobOutcome) -> str:
-    return f"{outcome.result}: {outcome.detail}" if outcome.detail else outcome.result
 
 
 def _paused(registry: Registry, victim: Resident) -> Resident:

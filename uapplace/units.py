@@ -111,6 +111,19 @@ class UnitState:
     load_error: str = ""
 
 
+def state_text(state: UnitState) -> str:
+    """``active/sub`` plus a non-success result: how steps and alerts name a unit's state."""
+    text = f"{state.active_state}/{state.sub_state}"
+    if state.result and state.result != "success":
+        text += f" (result {state.result})"
+    return text
+
+
+def outcome_text(outcome: JobOutcome) -> str:
+    """A job's result, with systemd's detail when it gave one."""
+    return f"{outcome.result}: {outcome.detail}" if outcome.detail else outcome.result
+
+
 def unit_name(name: str) -> str:
     """A checked unit name with ``.service`` appended when it has no unit suffix.
 

@@ -75,6 +75,7 @@ from uapplace.model import (
     Resident,
     ResidentState,
     iso,
+    processes_text,
 )
 from uapplace.registry import unit_file_name
 from uapplace.units import UnitError, UnitManager, UnitState
@@ -447,9 +448,7 @@ class UnitSync:
             strangers = [p for p in reading.processes if p.pid not in owned.get(key, set())]
             allowance = devices[key].reserved_mib if key in devices else 0
             if sum(p.used_mib for p in strangers) > allowance:
-                rows = "; ".join(
-                    f"pid {p.pid} `{p.command or '?'}` {p.used_mib:,.0f} MiB" for p in strangers
-                )
+                rows = processes_text(strangers)
                 self.host.raise_alert(
                     AlertKind.PROBE_MISMATCH,
                     Severity.WARNING,
