@@ -5,7 +5,7 @@ simulated GPU, fake engines as real units running the vLLM sleep API, ``uapplace
 a slow cold start and wake (default 20 s and 1.5 s, like the issue's bench), then calls
 ``MeasureEnvelope`` over the bus for ``coder-7b`` and prints the envelope, how far each
 figure lies above the engine's own delay (the measurement's overhead and resolution),
-and the waits enforcement derives from it (:class:`uapplace.enforce.Timeouts`).
+and the waits enforcement derives from it (:class:`uapplace.timeouts.Timeouts`).
 Needs root (contained manager). Run by hand, never as a test::
 
     .venv/bin/python bench/bench_envelope.py [--cold-secs 20] [--wake-secs 1.5]
@@ -22,8 +22,8 @@ from typing import Any
 
 from uapplace.client import PlacementClient
 from uapplace.demo import CODER, Sandbox, SandboxSpec
-from uapplace.enforce import Timeouts
 from uapplace.model import Config, ConfigStatus, Envelope
+from uapplace.timeouts import Timeouts
 
 
 async def resident(client: PlacementClient, model: str, guard_s: float) -> None:

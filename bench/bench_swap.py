@@ -52,12 +52,12 @@ from uapplace.alerts import Alert
 from uapplace.client import PlacementClient, PlacementError
 from uapplace.controller import Controller, ProxyHolders, ResidentRow
 from uapplace.demo import CODER, WRITER, DemoModel, Sandbox, SandboxSpec
-from uapplace.enforce import attach_enforcement
 from uapplace.engines import ProxyClient
 from uapplace.model import Decision, PendingEntry
 from uapplace.paths import INTERFACE, Paths
 from uapplace.sim.usermanager import can_contain
 from uapplace.units import UnitManager
+from uapplace.wiring import attach_enforcement
 
 TARGET_RATIO = 1.10
 PAUSE_TARGET_RATIO = 0.2

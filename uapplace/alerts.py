@@ -22,7 +22,7 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from uapplace.model import iso
 
@@ -90,6 +90,24 @@ class Alert:
 
 def new_alert_id() -> str:
     return "alr-" + secrets.token_hex(4)
+
+
+class AlertSink(Protocol):
+    """Where a safety path reports what a human must see (the controller, in the daemon).
+
+    One signature for enforcement, recovery and unit sync. The return value is
+    whatever the sink records (the controller returns the :class:`Alert`); callers
+    never depend on it.
+    """
+
+    def raise_alert(
+        self,
+        kind: AlertKind,
+        severity: Severity,
+        subject: str,
+        message: str,
+        detail: Mapping[str, Any] | None = None,
+    ) -> object: ...
 
 
 class AlertBoard:

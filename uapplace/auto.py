@@ -514,7 +514,7 @@ class PolicySource(Protocol):
 
 
 class EnvelopeTimeouts(Protocol):
-    """The waits of one enforcement (``uapplace.enforce.Timeouts`` has them)."""
+    """The waits of one enforcement (``uapplace.timeouts.Timeouts`` has them)."""
 
     @property
     def drain_s(self) -> float: ...

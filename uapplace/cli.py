@@ -69,6 +69,7 @@ _EXIT_BY_ERROR = {
     "InvalidArgument": EXIT_USAGE,
     "org.freedesktop.DBus.Error.InvalidArgs": EXIT_USAGE,
     "Failed": EXIT_REFUSED,
+    "Unavailable": EXIT_REFUSED,
 }
 _UNREACHABLE_ERRORS = frozenset(
     {

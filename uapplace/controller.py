@@ -52,6 +52,7 @@ from uapplace.errors import (
     InvalidArgument,
     NotAuthorized,
     NotFound,
+    Unavailable,
     UnknownModel,
     unavailable,
 )
@@ -1085,7 +1086,7 @@ class Controller:
             raise self._missing(method)
         return self.enforcer
 
-    def _missing(self, method: str) -> Failed:
+    def _missing(self, method: str) -> Unavailable:
         """A collaborator the daemon wires at start is absent: say why, never "later"."""
         why = self.enforcement_unavailable or "uapplaced has not wired it (it is still starting)"
         return unavailable(method, why)

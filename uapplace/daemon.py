@@ -11,7 +11,7 @@ Start-up order matters, because the daemon is the ledger's only writer:
 5. only then install the signal handlers and start the ledger writer and the expiry
    tick, and wire the collaborators: authorizer, proxy, notifier, auto policy, unit
    drop-ins and, when a systemd user manager is on the bus, enforcement
-   (``enforce.attach_enforcement``), the auto runner and the idle sweep. Without a
+   (``wiring.attach_enforcement``), the auto runner and the idle sweep. Without a
    user manager, Apply/Load/Unload/Measure answer ``Failed`` saying so;
 6. listen on the Admit-only peer socket ``$XDG_RUNTIME_DIR/uapplace/bus``
    (:mod:`uapplace.peer`, the shim's short way round the bus); if that cannot be
@@ -45,7 +45,7 @@ from uapplace.authz import Authorizer
 from uapplace.auto import AutoRunner, PolicyStore, enforcement_envelope_s
 from uapplace.client import bus_daemon_message, user_bus_address
 from uapplace.controller import Controller, ProxyHolders, UnitDropins
-from uapplace.enforce import ControllerHost, EnforcementStack, attach_enforcement
+from uapplace.enforce_host import ControllerHost
 from uapplace.engines import ProxyClient
 from uapplace.errors import Failed
 from uapplace.idle import IdleSweep
@@ -57,6 +57,7 @@ from uapplace.planner import plan
 from uapplace.registry import ConfigFileError
 from uapplace.service import PlacementInterface, track_senders
 from uapplace.unitsync import LedgerPublication
+from uapplace.wiring import EnforcementStack, attach_enforcement
 
 log = logging.getLogger("uapplaced")
 

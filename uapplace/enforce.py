@@ -104,34 +104,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
-import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from uapplace import engines, verify
 from uapplace.alerts import AlertKind, Severity
-from uapplace.capacity import ServicePolicy, refusing_policy
+from uapplace.capacity import ServicePolicy
 from uapplace.counters import DaemonCounters, run_outcome
+from uapplace.enforce_host import EnforcementHost, ProxyRefresher
 from uapplace.engines import ProxyTokenRejected
 from uapplace.errors import Busy, Drifted, Failed, InvalidArgument, NotFound, UnknownModel
 from uapplace.journal import Journal, JournalError, RunRecord
-from uapplace.jsonfile import ConfigFileError
-from uapplace.measure import Measurer
 from uapplace.model import (
     DEFAULT_CELLS,
     Config,
-    ConfigStatus,
-    Device,
     DeviceReading,
-    Envelope,
-    Holder,
     Model,
     Option,
     OptionKind,
@@ -144,9 +134,15 @@ from uapplace.model import (
     iso,
     processes_text,
 )
-from uapplace.planner import PlanInput, config_of, pause_figures, plan
-from uapplace.recovery import ControllerRecoveryHost, recover
-from uapplace.registry import read_json, unit_file_name, valid_unit_name
+from uapplace.planner import config_of, pause_figures, plan
+from uapplace.preflight import (
+    PreflightFacts,
+    executable_problems,
+    preflight_problems,
+    preflight_summary,
+)
+from uapplace.registry import unit_file_name, valid_unit_name
+from uapplace.timeouts import Timeouts, UpBound
 from uapplace.topology import verify_endpoint
 from uapplace.units import (
     UnitError,
@@ -154,12 +150,13 @@ from uapplace.units import (
     UnitState,
     outcome_text,
     state_text,
+    unit_of,
+    units_of,
 )
-from uapplace.unitsync import EnforcementMarks, ResidentKey, UnitSync, resident_key
+from uapplace.unitsync import EnforcementMarks, ResidentKey, resident_key
 
 if TYPE_CHECKING:
-    from uapplace.controller import Controller
-    from uapplace.paths import Paths
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -195,400 +192,6 @@ FAILED_OUTCOME = "failed"
 HEALTH_BACKOFF = verify.HEALTH_BACKOFF
 """Growth of the pause between two ``/health`` polls (from ``health_first_poll_s``)."""
 _DOWN_STATES = frozenset({"failed", "inactive"})
-
-
-# --------------------------------------------------------------------------- timeouts
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Every wait of the sequence, in seconds. **Unvalidated defaults**: nobody has
-    measured this machine's teardown/start envelope yet (spec §4.3, §4.6)."""
-
-    drain_s: float = 60.0
-    """How long in-flight work and holds may take to finish before rolling back."""
-    drain_poll_s: float = 0.25
-    """Pause between two in-flight checks (≤ 250 ms)."""
-    stop_s: float = 90.0
-    """A stop job's deadline (systemd's own ``TimeoutStopSec`` default)."""
-    verify_free_s: float = 15.0
-    """How long freed memory may take to show in the probe after the stop."""
-    verify_free_poll_s: float = 0.1
-    start_s: float = 90.0
-    """The start job's deadline (``Type=simple`` units finish it at fork)."""
-    verify_up_s: float = 120.0
-    """Load time when the config records no start facts: from the start job until
-    ``/health`` is 200. 120 s, not the former 600 s: an engine that never turns healthy
-    held the device for ten minutes. A config slower than this records ``start_s``
-    (measured) or ``start_timeout_s`` (the operator's bound); see :meth:`verify_up_bound`."""
-    health_first_poll_s: float = 0.05
-    health_max_poll_s: float = 0.1
-    """The pause between ``/health`` polls grows ×1.5 from 50 ms to this: a local GET
-    is cheap, and every 100 ms of pause is up to 100 ms added to a swap."""
-    http_s: float = 2.0
-    """One engine probe (``/health``, ``/v1/models``, ``/metrics``)."""
-    rollback_up_s: float = 120.0
-    """How long a restarted victim may take to turn healthy again when its config has no
-    start facts (otherwise the victim's own :meth:`verify_up_bound`)."""
-    measured_start_multiple: float = 3.0
-    measured_start_margin_s: float = 5.0
-    measured_start_floor_s: float = 10.0
-    """With a measured cold start (the envelope's ``cold_start_s``, else ``start_s``),
-    verify-up waits ``max(floor, multiple × start + margin)``: three times what this
-    machine took, plus a margin for a cold page cache, never under 10 s (a 1 s engine
-    gets 10 s). A waking victim's bound is the same formula over its measured ``wake_s``."""
-    verify_free_multiple: float = 3.0
-    verify_free_margin_s: float = 2.0
-    verify_free_floor_s: float = 5.0
-    """With every victim's envelope, verify-free waits ``max(floor, multiple × release +
-    margin)``, ``release`` the longest victim's ``free_s − stop_s`` (how long its memory
-    took to show in the probe after the stop job ended): a driver that frees lazily is
-    waited on, an orphan is named after seconds, not after the blind 15 s."""
-    drain_multiple: float = 2.0
-    drain_floor_s: float = 30.0
-    """With the envelopes of the victims and of the config that starts, drain waits
-    ``max(floor, multiple × switch)``, ``switch`` = Σ victims' ``stop_s`` + the new
-    config's cold start: what the operator already accepted to wait for the switch. Past
-    twice that, waiting on in-flight work costs more than the switch itself; roll back."""
-
-    def __post_init__(self) -> None:
-        for item in fields(self):
-            value = getattr(self, item.name)
-            if not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"Timeouts.{item.name}: must be a positive number, got {value!r}")
-
-    @classmethod
-    def load(cls, path: Path | None) -> Timeouts:
-        """Defaults, overridden by the JSON object in ``path`` when that file exists.
-
-        Raises :class:`~uapplace.registry.ConfigFileError` naming the file and key
-        for a bad file (unknown key, not a positive number).
-        """
-        if path is None or not path.exists():
-            return cls()
-        raw = read_json(path)
-        try:
-            doc = _TimeoutsDoc.model_validate(raw)
-        except ValidationError as err:
-            first = err.errors(include_url=False)[0]
-            where = "$" + "".join(f".{part}" for part in first["loc"])
-            raise ConfigFileError(path, where, str(first["msg"])) from None
-        return cls(**doc.model_dump(exclude_none=True))
-
-    def to_json(self) -> dict[str, float]:
-        return {item.name: getattr(self, item.name) for item in fields(self)}
-
-    def verify_up_bound(self, label: str, config: Config | None, fallback: float) -> UpBound:
-        """How long an engine of ``config`` may take to turn healthy, and why that long.
-
-        Precedence (most specific fact first):
-
-        1. the config's measured envelope ``cold_start_s``, then its measured cold start
-           ``start_s`` (counted only when its figures count on this machine,
-           ``Config.untrusted`` empty):
-           ``max(measured_start_floor_s, measured_start_multiple × start +
-           measured_start_margin_s)``;
-        2. the config's ``start_timeout_s``, the operator's explicit bound;
-        3. ``fallback``: :attr:`verify_up_s` for a new resident, :attr:`rollback_up_s`
-           for a restarted victim (the defaults, or what
-           ``enforcement-timeouts.json`` says: the file overrides the defaults, never
-           a config's own facts).
-
-        ``label`` (``model/config``) only names the config in :attr:`UpBound.source`.
-        """
-        envelope = _counted_envelope(config)
-        if envelope is not None:
-            return self._measured(label, "envelope cold start", envelope.cold_start_s)
-        if config is not None and config.start_s is not None and not config.untrusted:
-            derived = self.measured_start_multiple * config.start_s + self.measured_start_margin_s
-            seconds = max(self.measured_start_floor_s, derived)
-            start = f"{config.start_s:g}s"
-            source = (
-                f"{label} measured start {start}: max({self.measured_start_floor_s:g}s, "
-                f"{self.measured_start_multiple:g} × {start} + {self.measured_start_margin_s:g}s)"
-            )
-            return UpBound(seconds, source)
-        if config is not None and config.start_timeout_s is not None:
-            return UpBound(config.start_timeout_s, f"start_timeout_s of {label}")
-        return UpBound(fallback, f"default: {label} records no start_s or start_timeout_s")
-
-    def _measured(self, label: str, what: str, seconds: float) -> UpBound:
-        derived = self.measured_start_multiple * seconds + self.measured_start_margin_s
-        bound = max(self.measured_start_floor_s, derived)
-        taken = f"{seconds:g}s"
-        source = (
-            f"{label} {what} {taken}: max({self.measured_start_floor_s:g}s, "
-            f"{self.measured_start_multiple:g} × {taken} + {self.measured_start_margin_s:g}s)"
-        )
-        return UpBound(bound, source)
-
-    def wake_bound(self, label: str, config: Config | None, fallback: float) -> UpBound:
-        """How long a paused engine of ``config`` may take to wake and serve again: the
-        verify-up formula over its measured ``wake_s``; ``fallback`` without one."""
-        envelope = _counted_envelope(config)
-        if envelope is not None and envelope.wake_s is not None:
-            return self._measured(label, "measured wake", envelope.wake_s)
-        return UpBound(fallback, f"default: {label} has no measured wake_s")
-
-    def verify_free_bound(self, victims: Sequence[tuple[str, Config | None]]) -> UpBound:
-        """How long freed memory may take to show in the probe after the stops
-        (:attr:`verify_free_multiple`); :attr:`verify_free_s` unless every victim has an
-        envelope that counts here."""
-        if not victims:
-            return UpBound(self.verify_free_s, "default: no victims")
-        releases: list[tuple[float, str]] = []
-        for label, config in victims:
-            envelope = _counted_envelope(config)
-            if envelope is None:
-                return UpBound(self.verify_free_s, f"default: {label} has no measured envelope")
-            releases.append((max(0.0, envelope.free_s - envelope.stop_s), label))
-        release, label = max(releases)
-        derived = self.verify_free_multiple * release + self.verify_free_margin_s
-        source = (
-            f"{label} memory back {release:g}s after its stop: max("
-            f"{self.verify_free_floor_s:g}s, {self.verify_free_multiple:g} × {release:g}s + "
-            f"{self.verify_free_margin_s:g}s)"
-        )
-        return UpBound(max(self.verify_free_floor_s, derived), source)
-
-    def drain_bound(
-        self,
-        starting: tuple[str, Config | None] | None,
-        victims: Sequence[tuple[str, Config | None]],
-    ) -> UpBound:
-        """How long to wait for the victims' in-flight work (:attr:`drain_multiple`);
-        :attr:`drain_s` unless the victims and the config that starts (``starting``,
-        ``None`` for an unload) all have envelopes that count here."""
-        switch = 0.0
-        parts: list[str] = []
-        for label, config in victims:
-            envelope = _counted_envelope(config)
-            if envelope is None:
-                return UpBound(self.drain_s, f"default: {label} has no measured envelope")
-            switch += envelope.stop_s
-            parts.append(f"stop {label} {envelope.stop_s:g}s")
-        if starting is not None:
-            label, config = starting
-            envelope = _counted_envelope(config)
-            if envelope is None:
-                return UpBound(self.drain_s, f"default: {label} has no measured envelope")
-            switch += envelope.cold_start_s
-            parts.append(f"start {label} {envelope.cold_start_s:g}s")
-        derived = max(self.drain_floor_s, self.drain_multiple * switch)
-        source = (
-            f"switch {switch:g}s ({' + '.join(parts) or 'nothing'}): max("
-            f"{self.drain_floor_s:g}s, {self.drain_multiple:g} × {switch:g}s)"
-        )
-        return UpBound(derived, source)
-
-
-def _counted_envelope(config: Config | None) -> Envelope | None:
-    """The config's envelope when its figures count on this machine (``untrusted`` empty)."""
-    if config is None or config.untrusted:
-        return None
-    return config.envelope
-
-
-@dataclass(frozen=True)
-class UpBound:
-    """A verify-up wait and where it came from (shown in the step detail)."""
-
-    seconds: float
-    source: str
-
-    def text(self) -> str:
-        return f"bound {self.seconds:g}s ({self.source})"
-
-
-class _TimeoutsDoc(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    drain_s: float | None = Field(default=None, gt=0)
-    drain_poll_s: float | None = Field(default=None, gt=0, le=0.25)
-    stop_s: float | None = Field(default=None, gt=0)
-    verify_free_s: float | None = Field(default=None, gt=0)
-    verify_free_poll_s: float | None = Field(default=None, gt=0)
-    start_s: float | None = Field(default=None, gt=0)
-    verify_up_s: float | None = Field(default=None, gt=0)
-    health_first_poll_s: float | None = Field(default=None, gt=0, le=0.05)
-    health_max_poll_s: float | None = Field(default=None, gt=0)
-    http_s: float | None = Field(default=None, gt=0)
-    rollback_up_s: float | None = Field(default=None, gt=0)
-    measured_start_multiple: float | None = Field(default=None, ge=1)
-    measured_start_margin_s: float | None = Field(default=None, gt=0)
-    measured_start_floor_s: float | None = Field(default=None, gt=0)
-    verify_free_multiple: float | None = Field(default=None, ge=1)
-    verify_free_margin_s: float | None = Field(default=None, gt=0)
-    verify_free_floor_s: float | None = Field(default=None, gt=0)
-    drain_multiple: float | None = Field(default=None, ge=1)
-    drain_floor_s: float | None = Field(default=None, gt=0)
-
-
-# --------------------------------------------------------------------------- the host
-
-
-class EnforcementHost(Protocol):
-    """The narrow view of the controller that enforcement needs.
-
-    :class:`ControllerHost` implements it over :class:`~uapplace.controller.Controller`;
-    a test can implement it over plain lists.
-    """
-
-    def registry(self) -> Registry:
-        """The registry in force now."""
-        ...
-
-    def residents(self) -> Sequence[Resident]:
-        """The residents now, without holders."""
-        ...
-
-    def pending(self, placement_id: str) -> PendingEntry | None: ...
-
-    async def plan_input(self) -> PlanInput:
-        """Fresh readings and the residents with their holders (bus holds + in-flight)."""
-        ...
-
-    async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
-        """The proxy's in-flight requests per target id; ``None`` = unknown = busy."""
-        ...
-
-    def holds(self, resident: Resident) -> Sequence[Holder]:
-        """The bus holds on this resident."""
-        ...
-
-    async def read_devices(self) -> Mapping[str, DeviceReading]:
-        """A fresh probe of every device (runs the blocking probe in a thread)."""
-        ...
-
-    def service_policy(self, model: Model) -> ServicePolicy | None:
-        """The capacity policy's service entry for ``model`` (its ``service`` name)."""
-        ...
-
-    def put_resident(self, resident: Resident) -> None:
-        """Add or replace (same model/config/device); emits ``ResidentChanged``."""
-        ...
-
-    def drop_resident(self, resident: Resident) -> None:
-        """Remove it if present; emits ``ResidentChanged(…, "gone")``."""
-        ...
-
-    def resolve_served(self, resident: Resident, outcome: str) -> list[str]:
-        """Resolve every pending entry ``resident`` serves with ``outcome``; their ids."""
-        ...
-
-    def resolve_entry(self, placement_id: str, outcome: str) -> bool:
-        """Resolve one pending entry (if still there) with ``outcome``."""
-        ...
-
-    def emit_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
-        """One ``EnforcementStep`` signal."""
-        ...
-
-    def raise_alert(
-        self,
-        kind: AlertKind,
-        severity: Severity,
-        subject: str,
-        message: str,
-        detail: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Tell a human until acknowledged (``GetState.alerts``, signal, notification)."""
-        ...
-
-
-class ProxyRefresher(Protocol):
-    async def refresh(self) -> tuple[bool, str]: ...
-
-
-class ControllerHost:
-    """:class:`EnforcementHost` over the daemon's :class:`~uapplace.controller.Controller`."""
-
-    def __init__(self, controller: Controller) -> None:
-        self.controller = controller
-
-    def registry(self) -> Registry:
-        return self.controller.load.registry
-
-    def residents(self) -> Sequence[Resident]:
-        return tuple(self.controller.residents)
-
-    def pending(self, placement_id: str) -> PendingEntry | None:
-        return self.controller.admission.get(placement_id, time.time())
-
-    async def plan_input(self) -> PlanInput:
-        inp, _clients = await self.controller.plan_input()
-        return inp
-
-    async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
-        proxy = self.controller.proxy
-        if proxy is None:
-            return None
-        try:
-            return await proxy.inflight()
-        except ProxyTokenRejected:
-            raise  # not "unknown": the drain stops on it (_drain)
-        except Exception as err:  # unknown counts as busy; never guess idle
-            log.warning("proxy in-flight list unavailable: %s", err)
-            return None
-
-    def holds(self, resident: Resident) -> Sequence[Holder]:
-        return [
-            hold.holder()
-            for hold in self.controller.holds.values()
-            if hold.model in (resident.model, resident.config)
-        ]
-
-    async def read_devices(self) -> Mapping[str, DeviceReading]:
-        return await asyncio.to_thread(self.controller.probe.read)
-
-    def service_policy(self, model: Model) -> ServicePolicy | None:
-        policy = self.controller.policy
-        refusal = self.controller.policy_refusal()
-        if refusal is not None:  # no good policy ever loaded: fail closed, never silently off
-            return refusing_policy(refusal)
-        if policy is None or model.service is None:
-            return None
-        return policy.services.get(model.service)
-
-    def put_resident(self, resident: Resident) -> None:
-        current = self.controller.resident(resident.model, resident.config, resident.device)
-        if current is not None and _same_publication(current, resident):
-            return
-        self.controller.upsert_resident(resident)
-
-    def drop_resident(self, resident: Resident) -> None:
-        self.controller.drop_resident(resident.model, resident.config, resident.device)
-
-    def resolve_served(self, resident: Resident, outcome: str) -> list[str]:
-        entries = self.controller.admission.resolved_by(resident)
-        for entry in entries:
-            self.controller.resolve(entry, outcome)
-        return [e.id for e in entries]
-
-    def resolve_entry(self, placement_id: str, outcome: str) -> bool:
-        entry = self.controller.admission.get(placement_id)
-        if entry is None:
-            return False
-        self.controller.resolve(entry, outcome)
-        return True
-
-    def emit_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
-        self.controller.emit_step(run_id, step, ok, detail)
-
-    def raise_alert(
-        self,
-        kind: AlertKind,
-        severity: Severity,
-        subject: str,
-        message: str,
-        detail: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.controller.raise_alert(kind, severity, subject, message, detail)
-
-
-def _same_publication(a: Resident, b: Resident) -> bool:
-    """Equal for everything a ``ResidentChanged`` or the ledger would show."""
-    return replace(a, since=b.since, holders=b.holders) == b
 
 
 # --------------------------------------------------------------------------- results
@@ -1373,7 +976,7 @@ class Enforcer:
     # ------------------------------------------------------------------ stop / verify-free
 
     async def _stop(self, run: _Run, target: _Target) -> None:
-        units = _units_of(target.stopping)
+        units = units_of(target.stopping)
         if not units:
             run.record(STOP, True, "paused instead" if target.pausing else "no victims")
             if target.pausing:  # the sleeps are done: recovery must know the victims sleep
@@ -1466,7 +1069,7 @@ class Enforcer:
         bound: UpBound,
     ) -> tuple[bool, str]:
         """A woken engine's verify-up (the same check as a start, plus not asleep)."""
-        unit = _unit_of(resident) or resident.signature
+        unit = unit_of(resident) or resident.signature
         endpoint = verify_endpoint(resident.endpoint, self.host.registry().single_upstream)
         expect = verify.expectation(model, config, requested, self.host.service_policy(model))
         verdict = await verify.verify_up(
@@ -1515,7 +1118,7 @@ class Enforcer:
         """Wake every victim this run paused (or tried to), each with its verify-up."""
         registry = self.host.registry()
         for victim in run.paused:
-            unit = _unit_of(victim) or victim.signature
+            unit = unit_of(victim) or victim.signature
             if not safe:
                 why = f"left paused: {restore.blocker}"
                 run.record(ROLLBACK_WAKE, False, f"{victim.signature} {why}")
@@ -1898,7 +1501,7 @@ class Enforcer:
     async def _restart_victims(self, run: _Run, target: _Target, restore: _Restore) -> None:
         """Start every victim unit this run stopped, each with its own verify-up."""
         for unit in dict.fromkeys(run.stopped_units):
-            victim = next((v for v in target.victims if _unit_of(v) == unit), None)
+            victim = next((v for v in target.victims if unit_of(v) == unit), None)
             label = victim.signature if victim is not None else unit
             outcome = await self.units.start_unit(unit, self.timeouts.start_s)
             if not outcome.ok:
@@ -1953,7 +1556,7 @@ class Enforcer:
         paused = {resident_key(v) for v in run.paused}
         registry = self.host.registry()
         for victim in run.victims:
-            unit = _unit_of(victim)
+            unit = unit_of(victim)
             if unit in stopped and unit not in restored:
                 self.host.drop_resident(victim)
             elif resident_key(victim) in paused and unit not in restored:
@@ -1974,7 +1577,7 @@ class Enforcer:
         """After a successful run: the residents on its device(s), as published."""
         devices = self._devices(target)
         return tuple(
-            RunningAfter(r.model, r.config, r.device, _unit_of(r), r.state.value)
+            RunningAfter(r.model, r.config, r.device, unit_of(r), r.state.value)
             for r in self.host.residents()
             if r.device in devices
         )
@@ -1991,7 +1594,7 @@ class Enforcer:
         for resident in [*self.host.residents(), *target.victims]:
             if resident.device in devices:
                 seen.setdefault(
-                    (resident.model, resident.config, resident.device), _unit_of(resident)
+                    (resident.model, resident.config, resident.device), unit_of(resident)
                 )
         if target.config is not None and target.new_unit is not None:
             seen.setdefault((target.model.key, target.config.key, target.device), target.new_unit)
@@ -2018,7 +1621,7 @@ class Enforcer:
         """One critical ``rollback_incomplete`` alert per device left emptier than before."""
         lost_by_device: dict[str, list[Resident]] = {}
         for victim in run.victims:
-            if _unit_of(victim) in restore.unrestored:
+            if unit_of(victim) in restore.unrestored:
                 lost_by_device.setdefault(victim.device, []).append(victim)
         if not lost_by_device:  # nothing lost, but the new unit could not be stopped
             lost_by_device[target.device] = []
@@ -2038,8 +1641,8 @@ class Enforcer:
                         {
                             "model": v.model,
                             "config": v.config,
-                            "unit": _unit_of(v),
-                            "why": restore.unrestored.get(_unit_of(v) or "", ""),
+                            "unit": unit_of(v),
+                            "why": restore.unrestored.get(unit_of(v) or "", ""),
                         }
                         for v in lost
                     ],
@@ -2170,7 +1773,7 @@ def _incomplete_message(
 ) -> str:
     if lost:
         what = "; ".join(
-            f"{v.signature} ({_unit_of(v)}): {restore.unrestored.get(_unit_of(v) or '', '')}"
+            f"{v.signature} ({unit_of(v)}): {restore.unrestored.get(unit_of(v) or '', '')}"
             for v in lost
         )
         had = ", ".join(v.signature for v in lost)
@@ -2188,174 +1791,6 @@ def _incomplete_message(
         f"({failure.detail}) and could not restore {what}. {now}. Rollback is tried once, "
         "never looped: start the units by hand once the cause is fixed."
     )
-
-
-# --------------------------------------------------------------------------- preflight
-
-
-@dataclass(frozen=True)
-class PreflightFacts:
-    """What the preflight looked at for the unit a run is about to start."""
-
-    unit: str
-    state: UnitState | None
-    """``None`` when the user manager could not be asked (``unit_error`` says why)."""
-    unit_error: str
-    binaries: Mapping[str, str]
-    """Each ``ExecStart=`` binary → what is wrong with it ("" when it is executable)."""
-    label: str
-    """``model/config`` of what starts."""
-    config: Config
-    device: str
-    host: Device | None
-    """The registry's ``cpu`` device (the host-RAM gate), ``None`` when it has none."""
-    host_reading: DeviceReading | None
-    victims: tuple[Resident, ...]
-    host_error: str = ""
-    """Why there is no host reading at all (the probe raised), else ""."""
-
-
-def preflight_problems(facts: PreflightFacts) -> list[str]:
-    """Every reason the run must not stop anything, each naming unit/field and why.
-
-    Empty when the new unit is ``loaded`` with executable ``ExecStart=`` binaries,
-    its config is measured for this machine on the target device, and its
-    ``host_rss_mib`` fits the host's available RAM plus what the victims free,
-    minus the host reserve (the planner's host-RAM gate, on a fresh reading).
-    """
-    return [*_unit_problems(facts), *_measured_problems(facts), *_host_ram_problems(facts)]
-
-
-def preflight_summary(facts: PreflightFacts) -> str:
-    """The passing preflight's detail: the facts it checked."""
-    binaries = ", ".join(facts.binaries) or "none"
-    config = facts.config
-    parts = [
-        f"{facts.unit} loaded, ExecStart {binaries} executable",
-        f"{facts.label} measured on {config.measured_on} ({config.measured_at})",
-    ]
-    room = _host_room(facts)
-    if room is not None:
-        parts.append(
-            f"host RAM: needs {config.host_rss_mib or 0:,.0f} MiB, "
-            f"{room:,.0f} MiB available once the victims stop"
-        )
-    return "; ".join(parts)
-
-
-def _unit_problems(facts: PreflightFacts) -> list[str]:
-    unit, state = facts.unit, facts.state
-    if state is None:
-        return [f"unit {unit}: its state cannot be read from the user manager ({facts.unit_error})"]
-    if state.load_state != "loaded":
-        why = f": {state.load_error}" if state.load_error else ""
-        hint = (
-            " (no unit file: install it in the user unit directory, then daemon-reload)"
-            if state.load_state == "not-found"
-            else ""
-        )
-        return [
-            f"unit {unit}: LoadState is {state.load_state or 'unknown'!r}, not 'loaded'{why}{hint}"
-        ]
-    if not state.exec_paths:
-        return [f"unit {unit}: no ExecStart= command, so nothing would start"]
-    problems = [
-        f"unit {unit}: ExecStart binary {path} {problem}"
-        for path, problem in facts.binaries.items()
-        if problem
-    ]
-    if state.active_state not in _DOWN_STATES and unit not in _units_of(facts.victims):
-        # Not a published resident (the planner would have offered reuse), not a victim
-        # that stops first: an engine nobody verified. Starting it is a no-op, and the
-        # rollback would stop what ran before this run: refuse instead.
-        pid = f", MainPID {state.main_pid}" if state.main_pid else ""
-        problems.append(
-            f"unit {unit}: already {state_text(state)}{pid} but not a verified resident; "
-            "stop it, or let the unit sync verify it, before placing it"
-        )
-    return problems
-
-
-def _measured_problems(facts: PreflightFacts) -> list[str]:
-    config, label, device = facts.config, facts.label, facts.device
-    if not config.is_measured:
-        return [f"{label}: not measured for this machine ({_unmeasured_why(config)})"]
-    if config.measured_on != device:
-        where = config.measured_on or "no named device"
-        return [f"{label}: measured_on is {where}, not {device}: its cost on {device} is unknown"]
-    return []
-
-
-def _unmeasured_why(config: Config) -> str:
-    if config.untrusted:
-        return config.untrusted
-    if config.status is not ConfigStatus.MEASURED:
-        return f"status is {config.status.value}"
-    missing = [
-        name
-        for name, value in (
-            ("measured_at", config.measured_at),
-            ("resident_gpu_mib", config.resident_gpu_mib),
-            ("host_rss_mib", config.host_rss_mib),
-        )
-        if value is None
-    ]
-    return f"no {', '.join(missing)}" if missing else "not placeable"
-
-
-def _host_room(facts: PreflightFacts) -> float | None:
-    """Host MiB available to the new config once the victims stop; ``None``: unknown."""
-    host, reading = facts.host, facts.host_reading
-    if host is None or reading is None or reading.source is ProbeSource.ABSENT:
-        return None
-    freed = sum(v.host_rss_mib or 0.0 for v in facts.victims)
-    return reading.free_mib + freed - host.reserved_mib
-
-
-def _host_ram_problems(facts: PreflightFacts) -> list[str]:
-    need = facts.config.host_rss_mib
-    if need is None:
-        return []  # unmeasured: already named by the measured check
-    if facts.host is None:
-        return [f"host RAM gate: the registry has no cpu device, so {facts.label} is unchecked"]
-    room = _host_room(facts)
-    if room is None:
-        why = facts.host_reading.error if facts.host_reading is not None else facts.host_error
-        return [f"host RAM gate: no reading of {facts.host.key} ({why or 'absent'})"]
-    if need > room + 1e-6:
-        reading = facts.host_reading
-        assert reading is not None
-        freed = sum(v.host_rss_mib or 0.0 for v in facts.victims)
-        return [
-            f"host RAM gate: {facts.label} needs {need:,.0f} MiB host RAM; {facts.host.key} has "
-            f"{reading.free_mib:,.0f} MiB available + {freed:,.0f} MiB the victims free − "
-            f"{facts.host.reserved_mib:,} MiB reserve = {room:,.0f} MiB"
-        ]
-    return []
-
-
-def executable_problems(paths: Iterable[str]) -> dict[str, str]:
-    """Each path → "" when it is an executable regular file, else what is wrong (blocking)."""
-    out: dict[str, str] = {}
-    for path in paths:
-        out[path] = _executable_problem(path)
-    return out
-
-
-def _executable_problem(path: str) -> str:
-    if not os.path.isabs(path):
-        return "is not an absolute path"
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return "does not exist"
-    except OSError as err:
-        return f"cannot be read ({err.strerror or err})"
-    if not stat.S_ISREG(mode):
-        return "is not a regular file"
-    if not os.access(path, os.X_OK):
-        return "is not executable"
-    return ""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -2388,14 +1823,6 @@ def paused_resident(registry: Registry, victim: Resident) -> Resident:
     )
 
 
-def _unit_of(resident: Resident) -> str | None:
-    return unit_file_name(resident.unit) if resident.unit else None
-
-
-def _units_of(residents: Iterable[Resident]) -> list[str]:
-    return list(dict.fromkeys(u for u in (_unit_of(r) for r in residents) if u))
-
-
 def _same_placement(a: Option, b: Option) -> bool:
     return (a.kind, a.model, a.config, a.device) == (b.kind, b.model, b.config, b.device)
 
@@ -2409,88 +1836,3 @@ def _option_text(option: Option) -> str:
     if paused:
         text += f", pausing {', '.join(paused)}"
     return text
-
-
-# --------------------------------------------------------------------------- wiring
-
-
-@dataclass
-class EnforcementStack:
-    """What :func:`attach_enforcement` built: close it when the daemon stops."""
-
-    units: UnitManager
-    enforcer: Enforcer
-    sync: UnitSync
-    measurer: Measurer
-    controller: Controller
-
-    async def reload(self) -> bool:
-        """Re-read the registry (a bad one keeps the last good), then re-sync the units."""
-        changed = await self.controller.reload()
-        await self.sync.sync_all()
-        return changed
-
-    async def close(self) -> None:
-        await self.sync.close()
-        self.units.close()
-
-
-async def attach_enforcement(
-    controller: Controller,
-    paths: Paths,
-    refresher: ProxyRefresher | None,
-    *,
-    units: UnitManager | None = None,
-    timeouts: Timeouts | None = None,
-) -> EnforcementStack:
-    """Connect to the user manager and give ``controller`` its enforcer and measurer.
-
-    Residents then follow the units (:class:`~uapplace.unitsync.UnitSync`, synced
-    once now). Before that sync, a run the journal shows cut short by a crash is
-    repaired (:func:`uapplace.recovery.recover`). The controller gets its
-    enforcer and measurer only once all of that has started. Raises
-    :class:`~uapplace.units.UnitError` when the user manager is unreachable,
-    :class:`~uapplace.registry.ConfigFileError` for a bad
-    ``enforcement-timeouts.json``, and whatever the first sync raised; then
-    ``controller`` gets no enforcer or measurer, the unit sync is closed and the
-    :class:`~uapplace.units.UnitManager` this call made (not one passed in as
-    ``units``) is closed.
-    """
-    if timeouts is None:
-        timeouts = await asyncio.to_thread(Timeouts.load, paths.enforcement_timeouts)
-    manager = units or UnitManager()
-    host = ControllerHost(controller)
-    marks = EnforcementMarks()
-    journal = Journal(paths.enforcement_journal, crash_at=paths.test_crash_at)
-    enforcer = Enforcer(
-        host, manager, timeouts=timeouts, refresher=refresher, marks=marks, journal=journal
-    )
-    sync = UnitSync(host, manager, marks, http_s=timeouts.http_s)
-
-    async def after_measure() -> None:
-        await controller.reload()
-        await sync.sync_all()
-
-    measurer = Measurer(
-        paths,
-        host,
-        manager,
-        http_s=timeouts.http_s,
-        after_write=after_measure,
-        exclusive=enforcer.exclusive,
-    )
-    try:
-        await manager.connect()
-        # A run a crash cut short is repaired before the sync publishes any unit
-        # and before the controller accepts a new run (uapplace.recovery).
-        await recover(journal, ControllerRecoveryHost(controller), manager, timeouts=timeouts)
-        await sync.start()
-    except BaseException:
-        await sync.close()
-        if units is None:
-            manager.close()
-        raise
-    # Only now: a half-wired controller would accept an Apply it cannot see through.
-    controller.enforcer = enforcer
-    controller.measurer = measurer
-    return EnforcementStack(manager, enforcer, sync, measurer, controller)

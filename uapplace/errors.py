@@ -60,9 +60,22 @@ class InvalidArgument(PlacementFailure):
 
 
 class Failed(PlacementFailure):
-    """Anything else that went wrong (a failed run, machinery that is not available)."""
+    """Anything else that went wrong (a failed run, a refused measurement, …)."""
 
     short = "Failed"
+
+
+class Unavailable(PlacementFailure):
+    """The daemon is up but the collaborator this method needs is absent here.
+
+    Only the enforcer and the measurer may be absent (no systemd user manager, or
+    the moment between the daemon taking its name and wiring them). Its own bus
+    name lets a caller (the shim answers ``503``) tell it from a failed run
+    without reading the message. Decision: ``DESIGN.md`` lists seven error names;
+    this eighth is additive and documented in ``dbus/org.uap.Placement1.xml``.
+    """
+
+    short = "Unavailable"
 
 
 ALL_ERRORS: tuple[type[PlacementFailure], ...] = (
@@ -73,9 +86,10 @@ ALL_ERRORS: tuple[type[PlacementFailure], ...] = (
     NotAuthorized,
     InvalidArgument,
     Failed,
+    Unavailable,
 )
 
 
-def unavailable(method: str, why: str) -> Failed:
+def unavailable(method: str, why: str) -> Unavailable:
     """A method whose collaborator is not there: no user manager, or not wired yet."""
-    return Failed(f"{method} is not available: {why}")
+    return Unavailable(f"{method} is not available: {why}")

@@ -91,7 +91,7 @@ class Envelope:
 
     Seconds throughout; ``sleep_*``/``wake_s`` only for an engine with a sleep lever.
     Enforcement derives its drain, verify-free and verify-up waits from it
-    (``enforce.Timeouts``); the planner its expected time to serve again.
+    (``timeouts.Timeouts``); the planner its expected time to serve again.
     """
 
     stop_s: float
@@ -156,7 +156,7 @@ class Config:
     empty when they do. Set by the registry loader, never by hand."""
     start_s: float | None = None
     """Measured cold start: seconds from the start job until ``/health`` is 200 on this
-    machine. Enforcement derives its verify-up bound from it (``enforce.Timeouts``)."""
+    machine. Enforcement derives its verify-up bound from it (``timeouts.Timeouts``)."""
     start_timeout_s: float | None = None
     """The operator's explicit verify-up bound for this config when no start is measured."""
     envelope: Envelope | None = None

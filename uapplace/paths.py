@@ -124,7 +124,7 @@ class Paths:
 
     @property
     def enforcement_timeouts(self) -> Path:
-        """Optional overrides of the enforcement timeouts (``enforce.Timeouts.load``)."""
+        """Optional overrides of the enforcement timeouts (``timeouts.Timeouts.load``)."""
         return self.uap_home / "enforcement-timeouts.json"
 
     @property

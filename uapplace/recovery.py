@@ -1,7 +1,7 @@
 """Start-up repair of an enforcement run that a crash cut short.
 
 Entry point: :func:`recover` (``await recover(journal, host, units, timeouts=…)``).
-uapplaced calls it once at start, from :func:`uapplace.enforce.attach_enforcement`,
+uapplaced calls it once at start, from :func:`uapplace.wiring.attach_enforcement`,
 after the controller restored the ledger and the unit manager is connected, and
 **before** the unit sync starts and before the controller gets its enforcer: so
 no ``Apply``/``Load``/``Unload`` runs while a half-done one is repaired, and the
@@ -26,7 +26,7 @@ wakes; ``victims`` = the residents it stops or pauses; "up" = active, activating
 reloading; "down" = inactive or failed; "asleep" = unit up and ``/is_sleeping``
 true; "verify" = :func:`uapplace.verify.check`, the one publication check: health,
 served id, not asleep, ``metricsMustMatch``, polled within the config's own bound
-:meth:`~uapplace.enforce.Timeouts.verify_up_bound` (:meth:`~uapplace.enforce.Timeouts.wake_bound`
+:meth:`~uapplace.timeouts.Timeouts.verify_up_bound` (:meth:`~uapplace.timeouts.Timeouts.wake_bound`
 for a wake)). Rows are tried in order, the first that matches decides; the outcome
 is the alert's (``recovery_done`` warning, or ``recovery_needed`` critical for HUMAN).
 **No row publishes a resident ``hot`` that has not just passed verify.**
@@ -117,7 +117,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from uapplace import engines, verify
-from uapplace.alerts import AlertKind, Severity
+from uapplace.alerts import AlertKind, AlertSink, Severity
 from uapplace.capacity import ServicePolicy
 from uapplace.journal import (
     STEP_PAUSE,
@@ -143,7 +143,7 @@ from uapplace.units import JobOutcome, UnitError, UnitState, outcome_text, state
 
 if TYPE_CHECKING:
     from uapplace.controller import Controller
-    from uapplace.enforce import Timeouts, UpBound
+    from uapplace.timeouts import Timeouts, UpBound
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class RecoveryReport:
 # --------------------------------------------------------------------------- collaborators
 
 
-class RecoveryHost(Protocol):
+class RecoveryHost(AlertSink, Protocol):
     """The controller as the repair sees it (:class:`ControllerRecoveryHost`; fakes in tests)."""
 
     def registry(self) -> Registry: ...
@@ -199,15 +199,6 @@ class RecoveryHost(Protocol):
     def service_policy(self, model: Model) -> ServicePolicy | None: ...
 
     async def read_devices(self) -> Mapping[str, DeviceReading]: ...
-
-    def raise_alert(
-        self,
-        kind: AlertKind,
-        severity: Severity,
-        subject: str,
-        message: str,
-        detail: Mapping[str, Any] | None = None,
-    ) -> object: ...
 
     async def replan_pending(self) -> None: ...
 
@@ -757,10 +748,10 @@ class Repair:
 
 
 class ControllerRecoveryHost:
-    """:class:`RecoveryHost` over the daemon's controller (via ``enforce.ControllerHost``)."""
+    """:class:`RecoveryHost` over the daemon's controller (via ``enforce_host.ControllerHost``)."""
 
     def __init__(self, controller: Controller) -> None:
-        from uapplace.enforce import ControllerHost
+        from uapplace.enforce_host import ControllerHost
 
         self.controller = controller
         self._host = ControllerHost(controller)

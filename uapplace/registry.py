@@ -262,12 +262,12 @@ class MeasuredConfigDoc(_Doc):
     expert_cache_mib: Mib | None = None
     arena_mib: Mib | None = None
     host_free_mib: Mib | None = None
-    # Start facts for enforcement's verify-up bound (enforce.Timeouts.verify_up_bound).
+    # Start facts for enforcement's verify-up bound (timeouts.Timeouts.verify_up_bound).
     start_s: Seconds | None = None
     start_timeout_s: Seconds | None = None
     # The engine's in-process pause lever (model.PauseLever; issue 12), declared, not measured.
     pause_lever: PauseLever | None = None
-    # The measured enforcement envelope (machine-local; measure.py, enforce.Timeouts).
+    # The measured enforcement envelope (machine-local; measure.py, timeouts.Timeouts).
     envelope: EnvelopeDoc | None = None
 
 

@@ -85,7 +85,6 @@ import ipaddress
 import json
 import logging
 import os
-import re
 import resource
 import secrets
 import signal
@@ -180,8 +179,8 @@ STATUS_BY_BUS_ERROR = {
     "InvalidArgument": 400,
     "NotAuthorized": 403,
     "Failed": 500,
+    "Unavailable": 503,
 }
-MACHINERY_MISSING = re.compile(r"^\w+ is not available: ")
 ROUTES = {
     "admit": "/api/placement/admit",
     "state": "/api/placement/state",
@@ -757,8 +756,6 @@ class Shim:
         except DaemonUnavailable as err:
             raise HttpError(503, f"placement daemon unavailable: {err}") from None
         except PlacementError as err:
-            if err.short == "Failed" and lacks_machinery(err.message):
-                raise HttpError(503, err.message, bus_error=err.short) from None
             status = STATUS_BY_BUS_ERROR.get(err.short, 502)
             message = err.message if err.short in STATUS_BY_BUS_ERROR else str(err)
             raise HttpError(status, message, bus_error=err.short) from None
@@ -968,18 +965,6 @@ def parse_cells_query(text: str | None) -> int:
             400, f"query parameter cells must be an integer from 1 to {U32_MAX}, got {shown(text)}"
         )
     return int(text)
-
-
-def lacks_machinery(message: str) -> bool:
-    """A ``Failed`` that says the daemon is up but cannot do this here (or not yet).
-
-    The wording is :func:`uapplace.errors.unavailable` ("Apply is not available:
-    it needs the systemd user manager…", or "…: uapplaced has not wired it (it is
-    still starting)" in the moment between the daemon taking its name and wiring
-    enforcement). That is not the daemon failing on this request, so the shim
-    answers ``503`` with the daemon's message, not ``500``.
-    """
-    return MACHINERY_MISSING.match(message) is not None
 
 
 def apply_outcome(result: Any) -> str:

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 from pystemd.dbuslib import DBusAddress, apply_signature, path_decode
 
 from uapplace.client import user_bus_address
+from uapplace.model import Resident
 from uapplace.registry import unit_file_name, valid_unit_name
 
 log = logging.getLogger(__name__)
@@ -591,3 +592,13 @@ def _write_inside(root: Path, path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
+
+
+def unit_of(resident: Resident) -> str | None:
+    """The ``.service`` unit a resident runs under, or None for one without a unit."""
+    return unit_file_name(resident.unit) if resident.unit else None
+
+
+def units_of(residents: Iterable[Resident]) -> list[str]:
+    """The distinct units of ``residents``, in order."""
+    return list(dict.fromkeys(u for u in (unit_of(r) for r in residents) if u))

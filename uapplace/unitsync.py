@@ -61,10 +61,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from uapplace import engines, verify
-from uapplace.alerts import AlertKind, Severity
+from uapplace.alerts import AlertKind, AlertSink, Severity
 from uapplace.capacity import ServicePolicy
 from uapplace.model import (
     Config,
@@ -157,7 +157,7 @@ def resident_key(resident: Resident) -> ResidentKey:
     return (resident.model, resident.config, resident.device)
 
 
-class ResidentSink(Protocol):
+class ResidentSink(AlertSink, Protocol):
     """The part of the controller unit sync uses (a subset of ``EnforcementHost``)."""
 
     def registry(self) -> Registry: ...
@@ -171,15 +171,6 @@ class ResidentSink(Protocol):
     def service_policy(self, model: Model) -> ServicePolicy | None: ...
 
     async def read_devices(self) -> Mapping[str, DeviceReading]: ...
-
-    def raise_alert(
-        self,
-        kind: AlertKind,
-        severity: Severity,
-        subject: str,
-        message: str,
-        detail: Mapping[str, Any] | None = None,
-    ) -> None: ...
 
 
 def registry_units(registry: Registry) -> dict[str, list[tuple[Model, Config]]]:

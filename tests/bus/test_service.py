@@ -258,7 +258,7 @@ async def test_enforcement_without_a_user_manager_says_so(
 ) -> None:
     with pytest.raises(PlacementError) as caught:
         await client.call(member, signature, body)
-    assert caught.value.name == "org.uap.Placement1.Error.Failed"
+    assert caught.value.name == "org.uap.Placement1.Error.Unavailable"
     assert caught.value.message.startswith(f"{member} {NO_MANAGER}")
     assert "org.freedesktop.systemd1" in caught.value.message
 
@@ -270,7 +270,7 @@ async def test_apply_on_a_live_entry_without_a_user_manager_says_so(
     await wait_for_options(client, answer["placement_id"])
     with pytest.raises(PlacementError) as caught:
         await client.apply(answer["placement_id"], 1, [])
-    assert caught.value.short == "Failed"
+    assert caught.value.short == "Unavailable"
     assert caught.value.message.startswith(f"Apply {NO_MANAGER}")
 
 

@@ -5,7 +5,7 @@ engine: ``alpha`` (14000 MiB) and ``beta`` (16000 MiB) cannot both be loaded,
 so loading ``beta`` while ``alpha`` is resident means displacing it. The
 :class:`~uapplace.controller.Controller` is the real one (in-process, no bus),
 wired to an :class:`~uapplace.enforce.Enforcer` and a
-:class:`~uapplace.unitsync.UnitSync` through :class:`~uapplace.enforce.ControllerHost`,
+:class:`~uapplace.unitsync.UnitSync` through :class:`~uapplace.enforce_host.ControllerHost`,
 exactly as the daemon wires them. The proxy's internal routes are the fake of
 :mod:`uapplace.sim.proxy`, served over real HTTP.
 """
@@ -27,15 +27,18 @@ from aiohttp import web
 from tests.systemd.conftest import EngineUnit, UnitFiles
 from uapplace.alerts import Alert
 from uapplace.controller import Controller, ProxyHolders, ResidentRow
-from uapplace.enforce import ControllerHost, Enforcer, Timeouts, attach_enforcement
+from uapplace.enforce import Enforcer
+from uapplace.enforce_host import ControllerHost
 from uapplace.engines import ProxyClient
 from uapplace.model import PendingEntry, Resident
 from uapplace.paths import Paths
 from uapplace.registry import local_measurements
 from uapplace.sim import proxy as sim_proxy
 from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
+from uapplace.timeouts import Timeouts
 from uapplace.units import UnitManager, UnitState
 from uapplace.unitsync import UnitSync
+from uapplace.wiring import attach_enforcement
 
 GUARD_S = 30.0
 """Upper bound on any wait: a hang guard, never an assertion about speed."""

@@ -29,9 +29,9 @@ from tests.systemd.placement_world import (
 )
 from uapplace import engines
 from uapplace.controller import VictimRef
-from uapplace.enforce import Timeouts
 from uapplace.errors import Busy, Drifted
 from uapplace.sim.gpu import SimGpu, sim_uuid
+from uapplace.timeouts import Timeouts
 from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd

@@ -20,10 +20,11 @@ from dbus_fast.aio import MessageBus
 from tests.bus.conftest import make_env
 from tests.systemd.conftest import GUARD_S
 from uapplace.controller import Controller
-from uapplace.enforce import Timeouts, attach_enforcement
 from uapplace.paths import Paths
 from uapplace.sim.usermanager import ContainedUserManager
+from uapplace.timeouts import Timeouts
 from uapplace.units import UnitManager, UnitState
+from uapplace.wiring import attach_enforcement
 
 pytestmark = pytest.mark.systemd
 

@@ -32,8 +32,8 @@ from tests.systemd.placement_world import (
     close_world,
 )
 from uapplace import engines
-from uapplace.enforce import Timeouts
 from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
+from uapplace.timeouts import Timeouts
 from uapplace.units import MANAGER_IFACE, MANAGER_PATH, SYSTEMD, UnitManager
 
 pytestmark = pytest.mark.systemd

@@ -31,10 +31,10 @@ from tests.systemd.placement_world import (
     close_world,
 )
 from uapplace import engines
-from uapplace.enforce import Timeouts
 from uapplace.measure import MeasurementRefused
 from uapplace.model import Envelope
 from uapplace.sim.gpu import SimGpu
+from uapplace.timeouts import Timeouts
 from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd

@@ -32,7 +32,6 @@ from uapplace.auto import (
     pick_option,
     save_policy,
 )
-from uapplace.enforce import Timeouts
 from uapplace.errors import Failed, InvalidArgument
 from uapplace.model import (
     Config,
@@ -48,6 +47,7 @@ from uapplace.model import (
     ResidentState,
     Victim,
 )
+from uapplace.timeouts import Timeouts
 
 T0 = 1_800_000_000.0
 ENVELOPE = 500.0

@@ -20,17 +20,7 @@ import pytest
 
 from uapplace.alerts import AlertKind, Severity
 from uapplace.capacity import ServicePolicy
-from uapplace.enforce import (
-    EnforcementResult,
-    Enforcer,
-    PreflightFacts,
-    RunningAfter,
-    StepRecord,
-    Timeouts,
-    executable_problems,
-    preflight_problems,
-    preflight_summary,
-)
+from uapplace.enforce import EnforcementResult, Enforcer, RunningAfter, StepRecord
 from uapplace.jsonfile import ConfigFileError
 from uapplace.model import (
     Config,
@@ -48,7 +38,14 @@ from uapplace.model import (
     ResidentState,
 )
 from uapplace.planner import PlanInput, plan
+from uapplace.preflight import (
+    PreflightFacts,
+    executable_problems,
+    preflight_problems,
+    preflight_summary,
+)
 from uapplace.registry import load_registry
+from uapplace.timeouts import Timeouts
 from uapplace.units import UnitManager, UnitState
 
 MEASURED_AT = "2026-10-08T14:02:00Z"
@@ -447,7 +444,7 @@ def readings() -> dict[str, DeviceReading]:
 
 @dataclass
 class AlertingHost:
-    """An :class:`~uapplace.enforce.EnforcementHost` over plain lists that keeps alerts."""
+    """An :class:`~uapplace.enforce_host.EnforcementHost` over plain lists that keeps alerts."""
 
     reg: Registry = field(default_factory=registry)
     live: list[Resident] = field(default_factory=list)

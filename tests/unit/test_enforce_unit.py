@@ -22,7 +22,6 @@ from uapplace.enforce import (
     EnforcementResult,
     Enforcer,
     StepRecord,
-    Timeouts,
     normalize_signature,
 )
 from uapplace.engines import ProxyTokenRejected
@@ -44,6 +43,7 @@ from uapplace.model import (
 )
 from uapplace.planner import PlanInput, plan
 from uapplace.registry import ConfigFileError
+from uapplace.timeouts import Timeouts
 from uapplace.units import UnitManager, UnitState
 from uapplace.unitsync import default_device, registry_units
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from uapplace.enforce import Timeouts
 from uapplace.jsonfile import ConfigFileError
 from uapplace.model import Config, ConfigStatus, Envelope, parse_iso
 from uapplace.registry import (
@@ -19,6 +18,7 @@ from uapplace.registry import (
     write_local_envelope,
     write_local_measurement,
 )
+from uapplace.timeouts import Timeouts
 
 ENVELOPE = Envelope(
     stop_s=2.0,

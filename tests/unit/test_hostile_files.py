@@ -27,7 +27,6 @@ from uapplace.auto import AutoPolicy
 from uapplace.auto import load_policy as load_auto_policy
 from uapplace.capacity import load_policy as load_capacity_policy
 from uapplace.controller import Controller
-from uapplace.enforce import Timeouts
 from uapplace.jsonfile import ConfigFileError
 from uapplace.ledger import (
     Ledger,
@@ -39,6 +38,7 @@ from uapplace.ledger import (
 from uapplace.paths import Paths
 from uapplace.registry import load_registry
 from uapplace.sim.gpu import SimGpu, SimGpuError, SimGpuFileError
+from uapplace.timeouts import Timeouts
 
 SAMPLE_LEDGER: dict[str, Any] = {
     "version": 1,

@@ -20,7 +20,6 @@ import pytest
 
 from uapplace.alerts import AlertKind, Severity
 from uapplace.capacity import ServicePolicy
-from uapplace.enforce import Timeouts
 from uapplace.engines import EngineError
 from uapplace.journal import Journal, RunRecord
 from uapplace.model import (
@@ -36,6 +35,7 @@ from uapplace.model import (
     ResidentState,
 )
 from uapplace.recovery import Outcome, RecoveryReport, recover
+from uapplace.timeouts import Timeouts
 from uapplace.units import JobOutcome, UnitState
 
 FAST = Timeouts(

@@ -28,7 +28,7 @@ from uapplace import verify
 from uapplace.admission import Admission
 from uapplace.capacity import load_policy, validate
 from uapplace.controller import Controller
-from uapplace.enforce import ControllerHost
+from uapplace.enforce_host import ControllerHost
 from uapplace.model import (
     DeviceKind,
     DeviceReading,

@@ -35,6 +35,7 @@ from uapplace.shim import (
     BODY_LIMIT,
     ROUTES,
     SHIM_KEY,
+    STATUS_BY_BUS_ERROR,
     TOKEN_HEADER,
     U32_MAX,
     BusGateway,
@@ -48,7 +49,6 @@ from uapplace.shim import (
     drifted_body,
     encode_json,
     host_header_is_loopback,
-    lacks_machinery,
     load_or_create_token,
     main,
     parse_admit,
@@ -855,10 +855,11 @@ async def test_missing_machinery_is_503_with_the_daemons_message(failure: Failed
     assert shim.metrics.enforcements.get("resolve", "unavailable") == 1
 
 
-def test_only_the_missing_machinery_wording_is_503() -> None:
-    assert lacks_machinery(str(unavailable("Measure", "why")))
-    assert not lacks_machinery("the unit failed: Apply is not available: later in the text")
-    assert not lacks_machinery("internal error: KeyError: 'x'")
+def test_missing_machinery_is_its_own_bus_error_and_a_503() -> None:
+    err = unavailable("Measure", "why")
+    assert err.bus_name == "org.uap.Placement1.Error.Unavailable"
+    assert STATUS_BY_BUS_ERROR[err.short] == 503
+    assert STATUS_BY_BUS_ERROR["Failed"] == 500
 
 
 def test_drifted_wording_always_says_victim_set_changed() -> None:
