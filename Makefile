@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup demo test lint typecheck unit bus systemd bench clean
+.PHONY: setup demo test lint typecheck layering unit bus systemd bench clean
 
 setup: $(STAMP)
 
@@ -23,10 +23,16 @@ lint: setup
 	$(BIN)/ruff format --check uapplace tests bench
 	$(BIN)/ruff check uapplace tests bench
 
+# mypy strict on uapplace/, tests/ and bench/ (files = in pyproject's [tool.mypy]).
 typecheck: setup
 	$(BIN)/mypy
 
-test: lint typecheck
+# The import contracts in pyproject's [tool.importlinter] (HACKING.md: "What each
+# module may import and change"). No cache: the graph takes well under a second.
+layering: setup
+	$(BIN)/lint-imports --no-cache
+
+test: lint typecheck layering
 	$(BIN)/pytest
 
 unit: setup

@@ -1,6 +1,6 @@
 """The enforcement envelope as ``uapplace measure --envelope`` measures it (issue 12).
 
-Builds the demo's sandbox (:class:`uapplace.demo.Sandbox`: contained ``systemd --user``,
+Builds the demo's sandbox (:class:`uapplace.sandbox.Sandbox`: contained ``systemd --user``,
 simulated GPU, fake engines as real units running the vLLM sleep API, ``uapplaced``) with
 a slow cold start and wake (default 20 s and 1.5 s, like the issue's bench), then calls
 ``MeasureEnvelope`` over the bus for ``coder-7b`` and prints the envelope, how far each
@@ -21,8 +21,8 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 from uapplace.client import PlacementClient
-from uapplace.demo import CODER, Sandbox, SandboxSpec
 from uapplace.model import Config, ConfigStatus, Envelope
+from uapplace.sandbox import CODER, Sandbox, SandboxSpec
 from uapplace.timeouts import Timeouts
 
 

@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,7 +76,7 @@ def serve_floor() -> None:
         return web.json_response(FLOOR_ANSWER)
 
     async def run() -> None:
-        from uapplace.shim import bind_sockets
+        from uapplace.shim.server import bind_sockets
 
         app = web.Application()
         app.router.add_post(ADMIT_PATH, admit)
@@ -383,10 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         rounds[name].append(figures)
                 socket_path = Path(uap.env["XDG_RUNTIME_DIR"]) / "uapplace" / "bus"
                 for label, measure in (
-                    ("bus only (dbus-fast → bus → uapplaced)", lambda n: bus_only(address, n)),
+                    ("bus only (dbus-fast → bus → uapplaced)", partial(bus_only, address)),
                     (
                         "peer only (dbus-fast → uapplaced)",
-                        lambda n: peer_only(address, socket_path, n),
+                        partial(peer_only, address, socket_path),
                     ),
                 ):
                     asyncio.run(measure(args.warmup))

@@ -1,6 +1,6 @@
 """Swap time: uapplace's enforcement against a bare shell swap, on the same units.
 
-Builds the demo's sandbox (:class:`uapplace.demo.Sandbox`): a contained
+Builds the demo's sandbox (:class:`uapplace.sandbox.Sandbox`): a contained
 ``systemd --user``, a simulated 24 GiB GPU, two fake engines as real units
 (``coder-7b`` 14 GiB, ``writer-13b`` 16 GiB, each 1 s to turn healthy, so one
 must stop for the other to start), a fake of the proxy's internal routes and
@@ -50,11 +50,13 @@ from dbus_fast import Message, MessageType
 
 from uapplace.alerts import Alert
 from uapplace.client import PlacementClient, PlacementError
-from uapplace.controller import Controller, ProxyHolders, ResidentRow
-from uapplace.demo import CODER, WRITER, DemoModel, Sandbox, SandboxSpec
+from uapplace.controller import Controller
 from uapplace.engines import ProxyClient
+from uapplace.holds import ProxyHolders
 from uapplace.model import Decision, PendingEntry
 from uapplace.paths import INTERFACE, Paths
+from uapplace.ports import ResidentRow
+from uapplace.sandbox import CODER, WRITER, DemoModel, Sandbox, SandboxSpec
 from uapplace.sim.usermanager import can_contain
 from uapplace.units import UnitManager
 from uapplace.wiring import attach_enforcement
@@ -241,11 +243,9 @@ class _StepEvents:
 
 async def in_process(stack: AsyncExitStack, box: Sandbox) -> Enforcement:
     paths = Paths.from_env(box.client_env())
-    controller = Controller.open(paths)
     events = _StepEvents()
-    controller.events = events
     client = ProxyClient(paths.proxy_url, paths.proxy_token())
-    controller.proxy = ProxyHolders(client)
+    controller = Controller.open(paths, events=events, proxy=ProxyHolders(client))
     await controller.start()
     stack.push_async_callback(controller.shutdown)
     enforcement_stack = await attach_enforcement(

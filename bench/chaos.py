@@ -78,7 +78,8 @@ from typing import Any
 import aiohttp
 from dbus_fast import Message, MessageType
 
-from uapplace.client import PlacementClient, PlacementError, bus_daemon_message
+from uapplace.busutil import bus_daemon_message
+from uapplace.client import PlacementClient, PlacementError
 from uapplace.paths import INTERFACE
 from uapplace.registry import local_measurements
 from uapplace.sim import proxy as sim_proxy

@@ -71,10 +71,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
 
+from uapplace.errors import InvalidArgument
 from uapplace.model import (
     DEFAULT_CELLS,
     Config,
     Decision,
+    Option,
     ParkReason,
     PendingEntry,
     Registry,
@@ -396,6 +398,25 @@ class Admission:
                 if not own:
                     del self._by_client[entry.client]  # no empty dicts left behind
         return entry
+
+
+def chosen_option(entry: PendingEntry, option: int) -> Option:
+    """Option ``option`` (1-based, as ``ListPending`` numbers them) of ``entry``.
+
+    The one range check of ``Apply``: the controller and the enforcer both ask here.
+    Raises :class:`~uapplace.errors.InvalidArgument` when the entry has no options
+    or the index is out of range.
+    """
+    if not entry.options:
+        raise InvalidArgument(
+            f"placement {entry.id} has no options (see `uapplace pending`); nothing can be applied"
+        )
+    if not 1 <= option <= len(entry.options):
+        raise InvalidArgument(
+            f"option {option} is out of range: placement {entry.id} has options "
+            f"1..{len(entry.options)}"
+        )
+    return entry.options[option - 1]
 
 
 def _loadable(configs: Iterable[Config]) -> ParkReason:

@@ -22,7 +22,7 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any
 
 from uapplace.model import iso
 
@@ -92,32 +92,25 @@ def new_alert_id() -> str:
     return "alr-" + secrets.token_hex(4)
 
 
-class AlertSink(Protocol):
-    """Where a safety path reports what a human must see (the controller, in the daemon).
+class AlertBoard:
+    """The open alerts, newest last, and the one place every safety path reports to.
 
-    One signature for enforcement, recovery and unit sync. The return value is
-    whatever the sink records (the controller returns the :class:`Alert`); callers
-    never depend on it.
+    Enforcement, recovery, unit sync and the controller's own checks all call
+    :meth:`raise_alert` on the board their host hands them (``alert_board``).
+    The board only records; ``on_raised`` is told of each raised alert, and in
+    the daemon that is the controller's :class:`~uapplace.alertdesk.AlertDesk`,
+    which counts, logs, signals, notifies and persists. A test passes a board
+    of its own (with a list-appending hook) rather than a fake of it.
     """
 
-    def raise_alert(
-        self,
-        kind: AlertKind,
-        severity: Severity,
-        subject: str,
-        message: str,
-        detail: Mapping[str, Any] | None = None,
-    ) -> object: ...
-
-
-class AlertBoard:
-    """The open alerts, newest last. Plain state: the controller persists and signals."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, clock: Callable[[], float], on_raised: Callable[[Alert], None] | None = None
+    ) -> None:
         self._clock = clock
+        self._on_raised = on_raised
         self._alerts: dict[str, Alert] = {}
 
-    def raise_(
+    def raise_alert(
         self,
         kind: AlertKind,
         severity: Severity,
@@ -142,6 +135,8 @@ class AlertBoard:
             )
         self._alerts[alert.id] = alert
         self._trim()
+        if self._on_raised is not None:
+            self._on_raised(alert)
         return alert
 
     def acknowledge(self, ids: Iterable[str]) -> list[str]:

@@ -31,7 +31,7 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusFastError
 
 from uapplace import busio, errors
-from uapplace.client import bus_daemon_message
+from uapplace.busutil import bus_daemon_message
 
 log = logging.getLogger(__name__)
 

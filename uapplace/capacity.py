@@ -36,19 +36,12 @@ from pydantic import (
 )
 
 from uapplace import jsonfile
+from uapplace.jsonfile import ConfigFileError
 from uapplace.model import Config, ConfigStatus, Device, DeviceKind, Model, Provenance
-from uapplace.registry import (
-    ConfigFileError,
-    RegistryLoad,
-    UnitName,
-    combined,
-    envelope_staleness,
-    json_path,
-    unit_file_name,
-    valid_unit_name,
-    validation_errors,
-)
+from uapplace.registry import RegistryLoad, envelope_staleness
+from uapplace.registry_schema import UnitName, combined, json_path, validation_errors
 from uapplace.topology import single_upstream_problems
+from uapplace.unitnames import unit_file_name, valid_unit_name
 
 MetricValue = StrictStr | StrictInt | StrictFloat
 
@@ -118,7 +111,7 @@ def refusing_policy(reason: str) -> ServicePolicy:
     )
 
 
-def load_policy(path: Path) -> CapacityPolicy:
+def load_capacity_policy(path: Path) -> CapacityPolicy:
     """Read and check the policy. Raises :class:`ConfigFileError` naming file and path."""
     raw = jsonfile.read_json(path)
     try:

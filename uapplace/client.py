@@ -1,4 +1,4 @@
-"""Async client of the ``org.uap.Placement1`` bus API, shared by the CLI and the shim.
+"""Async client of the ``org.uap.Placement1`` bus API, shared by the CLI, the shim and the demo.
 
 Each method is one bus call with the signature in ``dbus/org.uap.Placement1.xml``.
 Calls are sent as raw messages (no introspection round trip), and an error
@@ -10,39 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from dbus_fast import Message, MessageType
+from dbus_fast import MessageType
 from dbus_fast.aio import MessageBus
 
 from uapplace import busio
+from uapplace.busutil import method_call, user_bus_address
 from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 ERROR_PREFIX = f"{INTERFACE}.Error."
-
-
-def user_bus_address(env: Mapping[str, str] | None = None) -> str:
-    """``DBUS_SESSION_BUS_ADDRESS``, else the user bus at ``$XDG_RUNTIME_DIR/bus``."""
-    env = os.environ if env is None else env
-    address = env.get("DBUS_SESSION_BUS_ADDRESS")
-    if address:
-        return address
-    runtime = env.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"
-    return f"unix:path={runtime}/bus"
-
-
-def bus_daemon_message(member: str, signature: str = "", body: list[Any] | None = None) -> Message:
-    """A method call to the message bus itself (``org.freedesktop.DBus``)."""
-    return Message(
-        destination="org.freedesktop.DBus",
-        path="/org/freedesktop/DBus",
-        interface="org.freedesktop.DBus",
-        member=member,
-        signature=signature,
-        body=body or [],
-    )
 
 
 class PlacementError(Exception):
@@ -80,14 +58,7 @@ class PlacementClient:
 
     async def call(self, member: str, signature: str = "", body: list[Any] | None = None) -> Any:
         """One method call; returns the reply body (a list), raises :class:`PlacementError`."""
-        message = Message(
-            destination=BUS_NAME,
-            path=OBJECT_PATH,
-            interface=INTERFACE,
-            member=member,
-            signature=signature,
-            body=body or [],
-        )
+        message = method_call(BUS_NAME, OBJECT_PATH, INTERFACE, member, signature, body)
         try:
             if self.call_timeout is None:
                 reply = await self.bus.call(message)

@@ -1,26 +1,30 @@
-"""The narrow view of the controller that enforcement needs, and its adapter."""
+"""The narrow view of the controller that enforcement needs, and its adapter.
+
+:class:`EnforcementHost` is everything the enforcement modules (:mod:`uapplace.enforce`
+and its steps) read or change of the controller; :class:`ProxyRefresher` the proxy's
+one call. Enforcement receives both (with the :mod:`uapplace.seams` for units and
+engines), so the unit tier runs it over plain lists. :class:`ControllerHost` is the
+daemon's implementation over :class:`~uapplace.controller.Controller`.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from uapplace.alerts import AlertKind, AlertSink, Severity
-from uapplace.capacity import ServicePolicy, refusing_policy
-from uapplace.engines import ProxyTokenRejected
+from uapplace.alerts import AlertBoard
+from uapplace.capacity import ServicePolicy
 from uapplace.model import (
     DeviceReading,
     Holder,
     Model,
     PendingEntry,
+    Plan,
     Registry,
     Resident,
 )
-from uapplace.planner import PlanInput
 
 if TYPE_CHECKING:
     from uapplace.controller import Controller
@@ -31,12 +35,15 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- the host
 
 
-class EnforcementHost(AlertSink, Protocol):
+class EnforcementHost(Protocol):
     """The narrow view of the controller that enforcement needs.
 
     :class:`ControllerHost` implements it over :class:`~uapplace.controller.Controller`;
     a test can implement it over plain lists.
     """
+
+    alert_board: AlertBoard
+    """Where this path reports what a human must see."""
 
     def registry(self) -> Registry:
         """The registry in force now."""
@@ -48,8 +55,9 @@ class EnforcementHost(AlertSink, Protocol):
 
     def pending(self, placement_id: str) -> PendingEntry | None: ...
 
-    async def plan_input(self) -> PlanInput:
-        """Fresh readings and the residents with their holders (bus holds + in-flight)."""
+    async def plan_for(self, model: str, cells: int) -> Plan:
+        """The planner's options for ``model`` now: fresh readings, the residents with
+        their holders (bus holds + in-flight); the revalidate step's one call."""
         ...
 
     async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
@@ -90,58 +98,48 @@ class EnforcementHost(AlertSink, Protocol):
 
 
 class ProxyRefresher(Protocol):
-    async def refresh(self) -> tuple[bool, str]: ...
+    """The proxy's cache of upstreams, invalidated by the ``refresh-proxy`` step after a
+    swap (:class:`~uapplace.engines.ProxyClient`; absent when no proxy is configured)."""
+
+    async def refresh(self) -> tuple[bool, str]:
+        """``(ok, detail)``; a failure is a failed step, never a failed run."""
+        ...
 
 
 class ControllerHost:
-    """:class:`EnforcementHost` over the daemon's :class:`~uapplace.controller.Controller`."""
+    """:class:`EnforcementHost` over the daemon's :class:`~uapplace.controller.Controller`.
+
+    Only forwards to the controller's API: every change (residents, pending entries)
+    is the controller's own method, which signals and persists it.
+    """
 
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
+        self.alert_board = controller.alert_board
+        """The controller's board: it records, signals, notifies and persists."""
+        self.emit_step = controller.emit_step
+        self.read_devices = controller.read_devices
+        self.plan_input = controller.plan_input
+        self.plan_for = controller.plan_for
+        self.service_policy = controller.service_policy
+        self.resolve_served = controller.resolve_served
+        self.resolve_entry = controller.resolve_pending_id
 
     def registry(self) -> Registry:
-        return self.controller.load.registry
+        return self.controller.registry
 
     def residents(self) -> Sequence[Resident]:
         return tuple(self.controller.residents)
 
     def pending(self, placement_id: str) -> PendingEntry | None:
-        return self.controller.admission.get(placement_id, time.time())
-
-    async def plan_input(self) -> PlanInput:
-        inp, _clients = await self.controller.plan_input()
-        return inp
+        return self.controller.live_pending_entry(placement_id)
 
     async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
-        proxy = self.controller.proxy
-        if proxy is None:
-            return None
-        try:
-            return await proxy.inflight()
-        except ProxyTokenRejected:
-            raise  # not "unknown": the drain stops on it (_drain)
-        except Exception as err:  # unknown counts as busy; never guess idle
-            log.warning("proxy in-flight list unavailable: %s", err)
-            return None
+        """Unknown counts as busy; a 401 is not "unknown": the drain stops on it."""
+        return await self.controller.inflight(raise_token_rejected=True)
 
     def holds(self, resident: Resident) -> Sequence[Holder]:
-        return [
-            hold.holder()
-            for hold in self.controller.holds.values()
-            if hold.model in (resident.model, resident.config)
-        ]
-
-    async def read_devices(self) -> Mapping[str, DeviceReading]:
-        return await asyncio.to_thread(self.controller.probe.read)
-
-    def service_policy(self, model: Model) -> ServicePolicy | None:
-        policy = self.controller.policy
-        refusal = self.controller.policy_refusal()
-        if refusal is not None:  # no good policy ever loaded: fail closed, never silently off
-            return refusing_policy(refusal)
-        if policy is None or model.service is None:
-            return None
-        return policy.services.get(model.service)
+        return self.controller.holders_for(resident)
 
     def put_resident(self, resident: Resident) -> None:
         current = self.controller.resident(resident.model, resident.config, resident.device)
@@ -152,31 +150,14 @@ class ControllerHost:
     def drop_resident(self, resident: Resident) -> None:
         self.controller.drop_resident(resident.model, resident.config, resident.device)
 
-    def resolve_served(self, resident: Resident, outcome: str) -> list[str]:
-        entries = self.controller.admission.resolved_by(resident)
-        for entry in entries:
-            self.controller.resolve(entry, outcome)
-        return [e.id for e in entries]
 
-    def resolve_entry(self, placement_id: str, outcome: str) -> bool:
-        entry = self.controller.admission.get(placement_id)
-        if entry is None:
-            return False
-        self.controller.resolve(entry, outcome)
-        return True
+class ControllerRecoveryHost(ControllerHost):
+    """:class:`~uapplace.recovery_checks.RecoveryHost` over the controller: the enforcement
+    host plus the re-plan of every pending entry a repair ends with."""
 
-    def emit_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
-        self.controller.emit_step(run_id, step, ok, detail)
-
-    def raise_alert(
-        self,
-        kind: AlertKind,
-        severity: Severity,
-        subject: str,
-        message: str,
-        detail: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.controller.raise_alert(kind, severity, subject, message, detail)
+    def __init__(self, controller: Controller) -> None:
+        super().__init__(controller)
+        self.replan_pending = controller.planning.replan_pending
 
 
 def _same_publication(a: Resident, b: Resident) -> bool:

@@ -28,6 +28,8 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
+from uapplace.validation import first_error_text
+
 PROBE_TIMEOUT_S = 2.0
 PROXY_TIMEOUT_S = 2.0
 INFLIGHT_PATH = "/internal/placement/inflight"
@@ -44,22 +46,40 @@ def engine_root(endpoint: str) -> str:
     return url.removesuffix("/v1")
 
 
-async def _get(url: str, timeout_s: float) -> tuple[int, str]:
+async def _request(
+    method: str, url: str, timeout_s: float, headers: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """One HTTP request in a session of its own: the status and the body as text."""
     client_timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with (
         aiohttp.ClientSession(timeout=client_timeout) as session,
-        session.get(url) as response,
+        session.request(method, url, headers=headers) as response,
     ):
         return response.status, await response.text()
 
 
-async def _get_json(url: str, timeout_s: float) -> Any:
+async def _answer(method: str, url: str, timeout_s: float) -> tuple[int, str]:
+    """:func:`_request`; no answer at all (refused, reset, timed out) is an :class:`EngineError`."""
     try:
-        status, text = await _get(url, timeout_s)
+        return await _request(method, url, timeout_s)
     except (aiohttp.ClientError, TimeoutError) as err:
-        raise EngineError(f"GET {url}: {_describe(err)}") from None
+        raise EngineError(f"{method} {url}: {_describe(err)}") from None
+
+
+def _not_ok(method: str, url: str, status: int, text: str) -> EngineError:
+    return EngineError(f"{method} {url}: HTTP {status}: {text[:200]}")
+
+
+async def _get_ok(url: str, timeout_s: float) -> str:
+    """The body of a ``GET`` that answered 200; :class:`EngineError` otherwise."""
+    status, text = await _answer("GET", url, timeout_s)
     if status != 200:
-        raise EngineError(f"GET {url}: HTTP {status}: {text[:200]}")
+        raise _not_ok("GET", url, status, text)
+    return text
+
+
+async def _get_json(url: str, timeout_s: float) -> Any:
+    text = await _get_ok(url, timeout_s)
     try:
         return json.loads(text)
     except ValueError as err:
@@ -78,7 +98,7 @@ def _describe(err: BaseException) -> str:
 async def health(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """``GET /health`` answered 200. Loading (503), errors and timeouts are ``False``."""
     try:
-        status, _ = await _get(f"{engine_root(endpoint)}/health", timeout_s)
+        status, _ = await _request("GET", f"{engine_root(endpoint)}/health", timeout_s)
     except (aiohttp.ClientError, TimeoutError):
         return False
     return status == 200
@@ -99,7 +119,9 @@ async def served_ids(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[
     try:
         return [model.id for model in _ModelList.model_validate(body).data]
     except ValidationError as err:
-        raise EngineError(f"GET {url}: not an OpenAI model list: {_first_error(err)}") from None
+        raise EngineError(
+            f"GET {url}: not an OpenAI model list: {first_error_text(err, '(body)')}"
+        ) from None
 
 
 async def slots(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[dict[str, Any]] | None:
@@ -117,12 +139,7 @@ async def slots(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[dict[
 async def metrics(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, float | str]:
     """``GET /metrics`` parsed (see the module doc). Raises :class:`EngineError`."""
     url = f"{engine_root(endpoint)}/metrics"
-    try:
-        status, text = await _get(url, timeout_s)
-    except (aiohttp.ClientError, TimeoutError) as err:
-        raise EngineError(f"GET {url}: {_describe(err)}") from None
-    if status != 200:
-        raise EngineError(f"GET {url}: HTTP {status}: {text[:200]}")
+    text = await _get_ok(url, timeout_s)
     try:
         return parse_prometheus(text)
     except ValueError as err:
@@ -159,27 +176,15 @@ SLEEP_LEVELS = (1, 2)
 # name agreed with the pause path that calls them (issue 12).
 
 
-async def _post(url: str, timeout_s: float) -> tuple[int, str]:
-    client_timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with (
-        aiohttp.ClientSession(timeout=client_timeout) as session,
-        session.post(url) as response,
-    ):
-        return response.status, await response.text()
-
-
 async def _post_ok(url: str, timeout_s: float) -> None:
-    try:
-        status, text = await _post(url, timeout_s)
-    except (aiohttp.ClientError, TimeoutError) as err:
-        raise EngineError(f"POST {url}: {_describe(err)}") from None
+    status, text = await _answer("POST", url, timeout_s)
     if status == 404:
         raise EngineError(
             f"POST {url}: HTTP 404: the engine has no sleep route (vLLM needs "
             "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1)"
         )
     if status != 200:
-        raise EngineError(f"POST {url}: HTTP {status}: {text[:200]}")
+        raise _not_ok("POST", url, status, text)
 
 
 async def sleep(
@@ -321,12 +326,6 @@ def _format_labels(labels: list[tuple[str, str]]) -> str:
     return ",".join(f'{key}="{escape(value)}"' for key, value in labels)
 
 
-def _first_error(err: ValidationError) -> str:
-    first = err.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "(body)"
-    return f"{where}: {first['msg']}"
-
-
 # --------------------------------------------------------------------------- the proxy
 
 
@@ -367,12 +366,7 @@ class ProxyClient:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     async def _request(self, method: str, path: str) -> tuple[int, str]:
-        client_timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        async with (
-            aiohttp.ClientSession(timeout=client_timeout) as session,
-            session.request(method, f"{self.base_url}{path}", headers=self._headers()) as response,
-        ):
-            return response.status, await response.text()
+        return await _request(method, f"{self.base_url}{path}", self.timeout_s, self._headers())
 
     async def inflight(self) -> dict[str, list[dict[str, Any]]] | None:
         """``{target_id: [request…]}``; ``None`` = unknown (non-200, error, bad body),

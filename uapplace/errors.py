@@ -93,3 +93,8 @@ ALL_ERRORS: tuple[type[PlacementFailure], ...] = (
 def unavailable(method: str, why: str) -> Unavailable:
     """A method whose collaborator is not there: no user manager, or not wired yet."""
     return Unavailable(f"{method} is not available: {why}")
+
+
+def no_pending(placement_id: str) -> NotFound:
+    """A placement id that names no pending entry (any more)."""
+    return NotFound(f"no pending placement {placement_id} (it may have expired or been resolved)")

@@ -39,7 +39,7 @@ from typing import Any
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
-from uapplace.client import bus_daemon_message
+from uapplace.busutil import bus_daemon_message
 from uapplace.model import iso
 from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 

@@ -2,8 +2,9 @@
 
 The sweep only decides *when*; the stop is the operator's own
 ``Enforcer.unload`` (drain, in-flight refusal, verify-free, rollback). Each
-:meth:`IdleSweep.tick` (the controller runs one every ~20 s) re-reads the
-policy file, then for each resident model:
+:meth:`IdleSweep.tick` (the daemon's ``wiring`` runs :meth:`IdleSweep.run`, one tick
+every ~20 s, once enforcement has started) re-reads the policy file, then for each
+resident model:
 
 - **off by default**: no ``unload_idle_after_secs`` → the tick does nothing at
   all; the window floors at 60 s;
@@ -33,16 +34,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import psutil
 
-from uapplace.auto import COOLDOWN_S, AutoPolicy, PendingBook, PolicySource
+from uapplace.auto import COOLDOWN_S
+from uapplace.autopolicy import AutoPolicy, PolicySource
 from uapplace.errors import Drifted, NotFound
-from uapplace.model import Holder, Registry, Resident, ResidentState
+from uapplace.model import Holder, PendingEntry, Registry, Resident, ResidentState
+from uapplace.standing import Cooldowns, UsageClocks
 
 log = logging.getLogger(__name__)
 
@@ -51,26 +54,24 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class IdleHost(Protocol):
-    """What the sweep needs of the controller (``Controller`` has all of it)."""
+    """What the sweep needs of the controller (``Controller`` has all of it); each
+    change it makes persists itself."""
 
     @property
-    def admission(self) -> PendingBook: ...
-
-    @property
-    def usage(self) -> MutableMapping[str, float]:
+    def usage(self) -> UsageClocks:
         """Model key → POSIX seconds of its last gated forward (in the ledger)."""
         ...
 
     @property
-    def cooldowns(self) -> MutableMapping[str, float]: ...
+    def cooldowns(self) -> Cooldowns: ...
+
+    def pending_entries(self) -> list[PendingEntry]: ...
 
     def residents_with_holders(
         self, inflight: Mapping[str, Sequence[Holder]] | None
     ) -> list[Resident]:
         """The residents now; with ``None`` their holders are the bus holds only."""
         ...
-
-    def mark_dirty(self, urgent: bool = True) -> None: ...
 
 
 class Unloader(Protocol):
@@ -210,11 +211,7 @@ class IdleSweep:
     def _prune(self, by_model: Mapping[str, Sequence[Resident]]) -> None:
         live = {_identity(r) for residents in by_model.values() for r in residents}
         self._first_seen = {k: v for k, v in self._first_seen.items() if k in live}
-        stale = [m for m in self.host.usage if m not in by_model]
-        for model in stale:
-            del self.host.usage[model]
-        if stale:
-            self.host.mark_dirty(urgent=False)
+        self.host.usage.keep_only(by_model)
 
     async def _reason_to_keep(self, model: str, window_s: int, now: float) -> str | None:
         """Why ``model`` stays loaded this tick, or ``None`` when it goes.
@@ -244,7 +241,7 @@ class IdleSweep:
 
     def _demanded(self, model: str, now: float) -> bool:
         registry = self._registry()
-        for entry in self.host.admission.pending.values():
+        for entry in self.host.pending_entries():
             if entry.expired(now):
                 continue
             resolved = registry.resolve(entry.requested_model)
@@ -278,8 +275,7 @@ class IdleSweep:
         return None
 
     def _touch(self, model: str, now: float) -> None:
-        self.host.usage[model] = now
-        self.host.mark_dirty(urgent=False)
+        self.host.usage.touch(model, now)
 
     async def _unload(self, model: str, signature: Sequence[str]) -> bool | None:
         """True: unloaded. False: refused or failed (cooldown). None: it was already gone."""
@@ -297,12 +293,10 @@ class IdleSweep:
         except Exception as err:
             ok, detail = False, f"{type(err).__name__}: {err}"
         if ok:
-            self.host.usage.pop(model, None)
-            self.host.mark_dirty()
+            self.host.usage.forget(model)
             return True
         until = self._clock() + COOLDOWN_S
-        self.host.cooldowns[model] = until
-        self.host.mark_dirty()
+        self.host.cooldowns.start(model, until)
         log.warning(
             "idle sweep: unloading %s failed (%s); leaving it alone for %g s",
             model,

@@ -27,7 +27,8 @@ from typing import Any, Literal
 from dbus_fast import MessageType
 
 from uapplace import busio
-from uapplace.client import bus_daemon_message, user_bus_address
+from uapplace.busutil import bus_daemon_message, user_bus_address
+from uapplace.jsonfile import atomic_write
 from uapplace.paths import BUS_NAME, Paths
 from uapplace.units import UnitManager
 
@@ -142,10 +143,7 @@ def _put(path: Path, text: str, force: bool) -> FileChange:
             pass
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.chmod(0o644)
-        tmp.replace(path)
+        atomic_write(path, text, mode=0o644, sync=False)
     except OSError as err:
         raise InstallError(f"cannot write {path}: {err}") from None
     return FileChange(path, "written")

@@ -17,7 +17,7 @@ crash the start-up repair (:mod:`uapplace.recovery`) knows
 Why a separate file and not a field of the ledger: the ledger is shared with the
 write-behind, taken under a lock and rewritten whole; the journal is one small
 file (``$UAP_HOME/enforcement-journal.json``) replaced with
-:func:`uapplace.ledger.atomic_write` (``sync=True``: fsync of the file, rename,
+:func:`uapplace.jsonfile.atomic_write` (``sync=True``: fsync of the file, rename,
 fsync of the directory) in a worker thread, a few milliseconds per step. The
 file exists only while a run is in progress: :meth:`Journal.clear` removes it
 (and fsyncs the directory) when the run ends, whatever the outcome.
@@ -61,10 +61,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from uapplace.jsonfile import ConfigFileError, parse_json, read_capped_or_none
-from uapplace.ledger import atomic_write, describe_validation_error, resident_to_json
+from uapplace.jsonfile import (
+    ConfigFileError,
+    atomic_write,
+    fsync_directory,
+    move_aside,
+    parse_json,
+    read_capped_or_none,
+)
+from uapplace.ledger import describe_validation_error, resident_to_json
+from uapplace.ledger_schema import fields_of
 from uapplace.model import Resident, ResidentState, iso
-from uapplace.registry import valid_unit_name
+from uapplace.unitnames import valid_unit_name
 
 log = logging.getLogger(__name__)
 
@@ -221,19 +229,8 @@ class _ResidentJson(_Strict):
         return unit
 
     def resident(self) -> Resident:
-        return Resident(
-            model=self.model,
-            config=self.config,
-            device=self.device,
-            engine=self.engine,
-            endpoint=self.endpoint,
-            unit=self.unit,
-            state=self.state,
-            gpu_mib=self.gpu_mib,
-            host_rss_mib=self.host_rss_mib,
-            since=self.since,
-            main_pid=self.main_pid,
-        )
+        """The resident, without its holders (a repair never restores a hold)."""
+        return Resident(**fields_of(self, leave_out=frozenset({"holders"})))
 
 
 class _RecordJson(_Strict):
@@ -369,19 +366,8 @@ class Journal:
             self.path.unlink()
         except FileNotFoundError:
             return
-        _fsync_directory(self.path.parent)
+        fsync_directory(self.path.parent)
 
     def move_aside(self) -> Path:
         """Keep an unreadable journal for a human (``…json.broken``), out of the way."""
-        target = self.path.with_name(self.path.name + ".broken")
-        os.replace(self.path, target)
-        _fsync_directory(self.path.parent)
-        return target
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return move_aside(self.path, self.path.with_name(self.path.name + ".broken"))

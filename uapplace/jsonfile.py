@@ -28,23 +28,29 @@ never a traceback:
 - **Duplicate keys** in one object are refused (in a hand-edited file the second one
   is a typo that would otherwise silently win).
 
-Writing: :func:`atomic_write` (tmp + fsync + rename + fsync of the directory) and
+Writing: :func:`atomic_write` (tmp + fsync + rename + fsync of the directory; every
+file uapplace replaces goes through it) and
 :func:`dumps`, which never emits a bare ``NaN``: a non-finite number becomes ``null``
 and is logged with its path (one bad figure must not stop every ledger write).
 :func:`move_aside` renames a broken file to ``<name>.corrupt-<UTC stamp>[.n]``, never
-overwriting an earlier one.
+overwriting an earlier one. :func:`exclusive_lock` is the advisory ``flock`` with a
+timeout that the read-modify-write of the ledger and the simulated GPU state hold.
 
 Everything here blocks on file I/O: the daemon calls it in a thread.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
 import os
 import stat
+import tempfile
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -288,6 +294,48 @@ def _shown_key(key: str) -> str:
     return key if len(key) <= _KEY_SHOWN else key[:_KEY_SHOWN] + "…"
 
 
+# --------------------------------------------------------------------------- locking
+
+
+class LockTimeout(TimeoutError):
+    """The advisory lock stayed held by someone else for the whole timeout."""
+
+    def __init__(self, lock_path: Path, timeout: float) -> None:
+        super().__init__(
+            f"timed out after {timeout:g}s waiting for the lock {lock_path} "
+            "(another process holds it)"
+        )
+        self.lock_path = lock_path
+        self.timeout = timeout
+
+
+@contextmanager
+def exclusive_lock(
+    lock_path: Path, timeout: float, error: type[LockTimeout] = LockTimeout
+) -> Iterator[None]:
+    """Hold ``fcntl.flock(LOCK_EX)`` on ``lock_path`` (created 0600), or raise ``error``.
+
+    flock cannot wait with a timeout, so this polls with a short backoff.
+    """
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise error(lock_path, timeout) from None
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, 0.01)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
 # --------------------------------------------------------------------------- writing
 
 
@@ -319,14 +367,18 @@ def finite_copy(value: Any) -> Any:
 def atomic_write(path: Path, text: str, mode: int = 0o600, sync: bool = True) -> None:
     """Replace ``path`` with ``text`` so that a reader sees the old or the new file, whole.
 
-    Writes ``<path>.tmp-<pid>``; with ``sync``, fsyncs it before the rename and the
-    directory after, so a crash leaves one of the two versions on disk too.
+    The one atomic write of the program (the ledger, the journal, the auto policy, the
+    simulated GPU, the local registry, the unit drop-ins, the installed unit files).
+    Writes a temporary file of its own (``.<name>.<random>.tmp`` beside ``path``, so two
+    writers never share one) with permission bits ``mode``; with ``sync``, fsyncs it
+    before the rename and the directory after, so a crash leaves one of the two versions
+    on disk too. A failure removes the temporary file and raises the ``OSError``.
     """
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
-            os.fchmod(out.fileno(), mode)  # a stale tmp file kept its old mode
+            os.fchmod(out.fileno(), mode)
             out.write(text)
             out.flush()
             if sync:
@@ -339,6 +391,15 @@ def atomic_write(path: Path, text: str, mode: int = 0o600, sync: bool = True) ->
         fsync_directory(path.parent)
 
 
+def mode_of(path: Path, default: int) -> int:
+    """``path``'s permission bits, or ``default`` when it does not exist (a rewrite keeps
+    the mode an operator gave the file)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        return default
+
+
 def fsync_directory(directory: Path) -> None:
     """Make a rename in ``directory`` durable."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -348,16 +409,22 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def move_aside(path: Path) -> Path:
-    """Rename a broken file to ``<name>.corrupt-<UTC stamp>`` (``.1``, ``.2`` … if taken).
+def move_aside(path: Path, target: Path | None = None) -> Path:
+    """Rename a broken file out of the way, durably (the directory is fsynced); returns
+    where it went.
 
-    The evidence is kept for the operator, never overwritten and never deleted.
+    By default to ``<name>.corrupt-<UTC stamp>`` (``.1``, ``.2`` … if taken): the
+    evidence is kept for the operator, never overwritten and never deleted. A caller
+    with a fixed place for it (the enforcement journal's ``….broken``) names ``target``,
+    which is replaced.
     """
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    target = path.with_name(f"{path.name}.corrupt-{stamp}")
-    serial = 1
-    while target.exists():
-        target = path.with_name(f"{path.name}.corrupt-{stamp}.{serial}")
-        serial += 1
-    os.rename(path, target)
+    if target is None:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        target = path.with_name(f"{path.name}.corrupt-{stamp}")
+        serial = 1
+        while target.exists():
+            target = path.with_name(f"{path.name}.corrupt-{stamp}.{serial}")
+            serial += 1
+    os.replace(path, target)
+    fsync_directory(path.parent)
     return target

@@ -2,10 +2,10 @@
 
 The ledger records intent; the probe records fact. Every writer goes through
 :meth:`Ledger.update`: an exclusive ``fcntl.flock`` on ``placement.json.lock``,
-a fresh re-read of the file, the change, then ``placement.json.tmp-<pid>`` +
-``fsync`` + ``os.replace`` + ``fsync`` of the directory. A reader therefore
-always sees a whole file and needs no lock; a stale view can never clobber a
-newer one.
+a fresh re-read of the file, the change, then a temporary file + ``fsync`` +
+``os.replace`` + ``fsync`` of the directory (:func:`uapplace.jsonfile.atomic_write`).
+A reader therefore always sees a whole file and needs no lock; a stale view can
+never clobber a newer one. The file's schema is :mod:`uapplace.ledger_schema`.
 
 A file that is not valid JSON or not the §4.2 shape is moved aside to
 ``placement.json.corrupt-<UTC timestamp>`` (never overwritten, never deleted),
@@ -27,47 +27,41 @@ so a time read back is the written one truncated to the second.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    TypeAdapter,
-    ValidationError,
-)
+from pydantic import TypeAdapter, ValidationError
 
 from uapplace import jsonfile
-from uapplace.alerts import Alert, AlertKind, Severity
-from uapplace.jsonfile import ConfigFileError
-from uapplace.jsonfile import atomic_write as atomic_write  # re-exported: its old home
-from uapplace.jsonfile import fsync_directory as _fsync_directory  # noqa: F401  (old name)
+from uapplace.alerts import Alert
+from uapplace.jsonfile import ConfigFileError, LockTimeout, exclusive_lock
+from uapplace.ledger_schema import (
+    AlertJson,
+    DeviceJson,
+    IsoSeconds,
+    LedgerHeadJson,
+    LedgerJson,
+    OptionJson,
+    PendingJson,
+    ResidentJson,
+    StrictJson,
+    alert_from,
+    option_from,
+    pending_from,
+    reading_from,
+    resident_from,
+)
 from uapplace.model import (
-    DEFAULT_CELLS,
-    DeviceKind,
     DeviceReading,
-    Holder,
     Option,
-    OptionKind,
-    ParkReason,
     PendingEntry,
-    ProbeSource,
-    ProcessUsage,
     Resident,
-    ResidentState,
-    Victim,
     holder_json,
     iso,
 )
@@ -81,50 +75,11 @@ _MAX_ERRORS_SHOWN = 5
 log = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------- locking and writing
-
-
-class LockTimeout(TimeoutError):
-    """The advisory lock stayed held by someone else for the whole timeout."""
-
-    def __init__(self, lock_path: Path, timeout: float) -> None:
-        super().__init__(
-            f"timed out after {timeout:g}s waiting for the lock {lock_path} "
-            "(another process holds it)"
-        )
-        self.lock_path = lock_path
-        self.timeout = timeout
+# --------------------------------------------------------------------------- errors
 
 
 class LedgerLockTimeout(LockTimeout):
     """The ledger lock stayed held (another uapplaced or uapplace command is writing)."""
-
-
-@contextmanager
-def exclusive_lock(
-    lock_path: Path, timeout: float, error: type[LockTimeout] = LockTimeout
-) -> Iterator[None]:
-    """Hold ``fcntl.flock(LOCK_EX)`` on ``lock_path`` (created 0600), or raise ``error``.
-
-    flock cannot wait with a timeout, so this polls with a short backoff.
-    """
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        deadline = time.monotonic() + timeout
-        delay = 0.0005
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise error(lock_path, timeout) from None
-                time.sleep(min(delay, remaining))
-                delay = min(delay * 2, 0.01)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
 
 
 def describe_validation_error(err: ValidationError, prefix: Sequence[int | str] = ()) -> str:
@@ -186,145 +141,6 @@ class LedgerFormatError(ValueError):
 class LedgerFileError(ConfigFileError, LedgerFormatError):
     """The ledger file as a whole cannot be used: too large, nested too deep, not JSON,
     not an object, a bad ``version`` or ``updated_at``. The file is moved aside."""
-
-
-def _iso_seconds(value: Any) -> float:
-    if not isinstance(value, str):
-        raise ValueError("expected an ISO-8601 UTC time such as 2026-10-08T14:02:11Z")
-    try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise ValueError(f"not an ISO-8601 time: {value!r}") from None
-    if moment.tzinfo is None:
-        raise ValueError(f"time without a zone (end it with Z): {value!r}")
-    return moment.timestamp()
-
-
-def _iso_text(value: str) -> str:
-    _iso_seconds(value)
-    return value
-
-
-IsoSeconds = Annotated[float, BeforeValidator(_iso_seconds)]
-IsoText = Annotated[str, AfterValidator(_iso_text)]
-
-
-class _Strict(BaseModel):
-    # NaN / ±inf are refused: one NaN gpu_mib made every preview and park fail.
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
-
-
-class _ProcessJson(_Strict):
-    pid: int
-    used_mib: float
-    command: str = ""
-
-
-class _DeviceJson(_Strict):
-    kind: DeviceKind
-    total_mib: float
-    free_mib: float
-    source: ProbeSource
-    processes: list[_ProcessJson] = []
-    uuid: str | None = None
-    error: str | None = None
-    # The spec's example carries the registry's reserve next to the reading;
-    # accepted, not kept (the registry is where it lives).
-    reserved_mib: float | None = None
-    headroom_mib: float | None = None
-
-
-class _HolderJson(_Strict):
-    client: str
-    kind: Literal["inflight", "hold"]
-    detail: str = ""
-    started_at: str | None = None
-    cookie: int | None = None
-
-
-class _ResidentJson(_Strict):
-    model: str
-    config: str
-    device: str
-    engine: str
-    endpoint: str | None
-    unit: str | None
-    state: ResidentState
-    gpu_mib: float | None
-    host_rss_mib: float | None
-    since: IsoText
-    holders: list[_HolderJson] = []
-    main_pid: int | None = None
-
-
-class _VictimJson(_Strict):
-    model: str
-    config: str
-    state: ResidentState
-    device: str
-    holders: list[_HolderJson] = []
-    in_flight: bool | None
-    frees_mib: float
-    consequence: str
-    reload_mib: float | None = None
-    # Issue 12: the action on this victim and what it costs (model.Victim).
-    action: Literal["stop", "pause"] = "stop"
-    serve_again_s: float | None = None
-    residual_mib: float = 0.0
-    host_grows_mib: float = 0.0
-    alternative: str = ""
-
-
-class _OptionJson(_Strict):
-    kind: OptionKind
-    model: str
-    config: str
-    device: str
-    cost_mib: float
-    victims: list[_VictimJson] = []
-    affinity_match: bool = Field(default=False, alias="affinityMatch")
-    # Derived from the victims by Option; accepted on input, recomputed on output.
-    signature: list[str] | None = None
-    frees_mib: float | None = None
-    expected_s: float | None = None
-
-
-class _PendingJson(_Strict):
-    id: str
-    requested_model: str
-    client: str
-    session: str | None = None
-    pid: int | None = None
-    created_at: IsoSeconds
-    expires_at: IsoSeconds
-    reason: ParkReason
-    cells: int = Field(default=DEFAULT_CELLS, gt=0)
-    options: list[_OptionJson] = []
-    # ListPending's 1-based pointer into options; derived, so not kept.
-    recommended: int | None = None
-
-
-class _AlertJson(_Strict):
-    id: str
-    kind: AlertKind
-    severity: Severity
-    subject: str
-    message: str
-    raised_at: IsoSeconds
-    updated_at: IsoSeconds
-    count: int = Field(default=1, ge=1)
-    detail: dict[str, Any] = {}
-
-
-class _LedgerJson(_Strict):
-    version: Literal[1]
-    updated_at: IsoSeconds
-    devices: dict[str, _DeviceJson] = {}
-    residents: list[_ResidentJson] = []
-    pending: list[_PendingJson] = []
-    usage: dict[str, IsoSeconds] = {}
-    cooldowns: dict[str, IsoSeconds] = {}
-    alerts: list[_AlertJson] = []
 
 
 # ----------------------------------------------------------------- to JSON
@@ -397,104 +213,7 @@ def doc_to_json(doc: LedgerDoc) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------- from JSON
-
-
-def _holder(data: _HolderJson) -> Holder:
-    return Holder(data.client, data.kind, data.detail, data.started_at, data.cookie)
-
-
-def _reading(key: str, data: _DeviceJson) -> DeviceReading:
-    return DeviceReading(
-        key=key,
-        kind=data.kind,
-        total_mib=data.total_mib,
-        free_mib=data.free_mib,
-        source=data.source,
-        processes=tuple(ProcessUsage(p.pid, p.used_mib, p.command) for p in data.processes),
-        uuid=data.uuid,
-        error=data.error,
-    )
-
-
-def _resident(data: _ResidentJson) -> Resident:
-    return Resident(
-        model=data.model,
-        config=data.config,
-        device=data.device,
-        engine=data.engine,
-        endpoint=data.endpoint,
-        unit=data.unit,
-        state=data.state,
-        gpu_mib=data.gpu_mib,
-        host_rss_mib=data.host_rss_mib,
-        since=data.since,
-        holders=tuple(_holder(h) for h in data.holders),
-        main_pid=data.main_pid,
-    )
-
-
-def _victim(data: _VictimJson) -> Victim:
-    return Victim(
-        model=data.model,
-        config=data.config,
-        state=data.state,
-        device=data.device,
-        holders=tuple(_holder(h) for h in data.holders),
-        in_flight=data.in_flight,
-        frees_mib=data.frees_mib,
-        consequence=data.consequence,
-        reload_mib=data.reload_mib,
-        action=data.action,
-        serve_again_s=data.serve_again_s,
-        residual_mib=data.residual_mib,
-        host_grows_mib=data.host_grows_mib,
-        alternative=data.alternative,
-    )
-
-
-def _option(data: _OptionJson) -> Option:
-    return Option(
-        kind=data.kind,
-        model=data.model,
-        config=data.config,
-        device=data.device,
-        cost_mib=data.cost_mib,
-        victims=tuple(_victim(v) for v in data.victims),
-        affinity_match=data.affinity_match,
-        expected_s=data.expected_s,
-    )
-
-
-def _pending(data: _PendingJson) -> PendingEntry:
-    return PendingEntry(
-        id=data.id,
-        requested_model=data.requested_model,
-        client=data.client,
-        session=data.session,
-        created_at=data.created_at,
-        expires_at=data.expires_at,
-        reason=data.reason,
-        cells=data.cells,
-        pid=data.pid,
-        options=tuple(_option(o) for o in data.options),
-    )
-
-
-def _alert(data: _AlertJson) -> Alert:
-    return Alert(
-        id=data.id,
-        kind=data.kind,
-        severity=data.severity,
-        subject=data.subject,
-        message=data.message,
-        raised_at=data.raised_at,
-        updated_at=data.updated_at,
-        count=data.count,
-        detail=dict(data.detail),
-    )
-
-
-def _validated(schema: type[_Strict], data: Any) -> Any:
+def _validated(schema: type[StrictJson], data: Any) -> Any:
     try:
         return schema.model_validate(data)
     except ValidationError as err:
@@ -503,45 +222,38 @@ def _validated(schema: type[_Strict], data: Any) -> Any:
 
 def option_from_json(data: Any) -> Option:
     """The inverse of :meth:`Option.to_json`. Raises :class:`LedgerFormatError`."""
-    parsed: _OptionJson = _validated(_OptionJson, data)
-    return _option(parsed)
+    parsed: OptionJson = _validated(OptionJson, data)
+    return option_from(parsed)
 
 
 def pending_from_json(data: Any) -> PendingEntry:
     """The inverse of :func:`pending_to_json`. Raises :class:`LedgerFormatError`."""
-    parsed: _PendingJson = _validated(_PendingJson, data)
-    return _pending(parsed)
+    parsed: PendingJson = _validated(PendingJson, data)
+    return pending_from(parsed)
 
 
 def doc_from_json(data: Any) -> LedgerDoc:
     """The inverse of :func:`doc_to_json`. Raises :class:`LedgerFormatError` naming the path."""
     if not isinstance(data, dict):
         raise LedgerFormatError(f"(document): expected a JSON object, got {type(data).__name__}")
-    parsed: _LedgerJson = _validated(_LedgerJson, data)
+    parsed: LedgerJson = _validated(LedgerJson, data)
     return LedgerDoc(
         version=parsed.version,
         updated_at=parsed.updated_at,
-        devices={key: _reading(key, d) for key, d in parsed.devices.items()},
-        residents=[_resident(r) for r in parsed.residents],
-        pending=[_pending(p) for p in parsed.pending],
+        devices={key: reading_from(key, d) for key, d in parsed.devices.items()},
+        residents=[resident_from(r) for r in parsed.residents],
+        pending=[pending_from(p) for p in parsed.pending],
         usage=dict(parsed.usage),
         cooldowns=dict(parsed.cooldowns),
-        alerts=[_alert(a) for a in parsed.alerts],
+        alerts=[alert_from(a) for a in parsed.alerts],
     )
 
 
-class _LedgerHeadJson(_Strict):
-    """What a file must get right as a whole; everything else is checked item by item."""
-
-    version: Literal[1]
-    updated_at: IsoSeconds
-
-
-_ITEM_SCHEMAS: dict[str, type[_Strict]] = {
-    "devices": _DeviceJson,
-    "residents": _ResidentJson,
-    "pending": _PendingJson,
-    "alerts": _AlertJson,
+_ITEM_SCHEMAS: dict[str, type[StrictJson]] = {
+    "devices": DeviceJson,
+    "residents": ResidentJson,
+    "pending": PendingJson,
+    "alerts": AlertJson,
 }
 _ITEM_NAMES = {
     "devices": "device",
@@ -569,7 +281,7 @@ def doc_from_file_json(data: Any, file: Path) -> LedgerDoc:
         reason = problem[1] if problem else f"expected a JSON object, got {type(data).__name__}"
         raise LedgerFileError(file, "$", reason)
     try:
-        head = _LedgerHeadJson.model_validate(
+        head = LedgerHeadJson.model_validate(
             {k: data[k] for k in ("version", "updated_at") if k in data}
         )
     except ValidationError as err:
@@ -577,7 +289,7 @@ def doc_from_file_json(data: Any, file: Path) -> LedgerDoc:
     dropped = [
         f"{key}: unknown top-level field, ignored"
         for key in data
-        if key not in _LedgerJson.model_fields
+        if key not in LedgerJson.model_fields
     ]
     items = {
         name: _valid_items(name, data.get(name), dropped)
@@ -586,12 +298,12 @@ def doc_from_file_json(data: Any, file: Path) -> LedgerDoc:
     return LedgerDoc(
         version=head.version,
         updated_at=head.updated_at,
-        devices={key: _reading(key, d) for key, d in items["devices"]},
-        residents=[_resident(r) for _, r in items["residents"]],
-        pending=[_pending(p) for _, p in items["pending"]],
+        devices={key: reading_from(key, d) for key, d in items["devices"]},
+        residents=[resident_from(r) for _, r in items["residents"]],
+        pending=[pending_from(p) for _, p in items["pending"]],
         usage=dict(items["usage"]),
         cooldowns=dict(items["cooldowns"]),
-        alerts=[_alert(a) for _, a in items["alerts"]],
+        alerts=[alert_from(a) for _, a in items["alerts"]],
         dropped=[f"{file}: {line}" for line in dropped],
     )
 
@@ -691,7 +403,7 @@ class Ledger:
             result = fn(doc)
             doc.updated_at = time.time()
             text = jsonfile.dumps(doc_to_json(doc), indent=2) + "\n"
-            atomic_write(self.path, text, mode=0o600, sync=True)
+            jsonfile.atomic_write(self.path, text, mode=0o600, sync=True)
         return result
 
     # ----------------------------------------------------------------- internals
@@ -715,16 +427,13 @@ class Ledger:
         try:
             return self._load()
         except LedgerFormatError as err:
-            moved_to = self._move_aside()
+            moved_to = jsonfile.move_aside(self.path)
             self.last_error = (
                 f"{self.path} was corrupt ({err}); moved it aside to {moved_to} "
                 "and continued from an empty ledger"
             )
             log.warning("%s", self.last_error)
             return LedgerDoc()
-
-    def _move_aside(self) -> Path:
-        return jsonfile.move_aside(self.path)
 
     def _ensure_directory(self) -> None:
         directory = self.path.parent

@@ -349,6 +349,15 @@ class Resident:
         return f"{self.model}/{self.config}"
 
 
+ResidentKey = tuple[str, str, str]
+"""``(model, config, device)``."""
+
+
+def resident_key(resident: Resident) -> ResidentKey:
+    """``(model, config, device)``: how a resident is named across the program."""
+    return (resident.model, resident.config, resident.device)
+
+
 class ParkReason(StrEnum):
     UNKNOWN_MODEL = "unknown_model"
     NO_MEASURED_CONFIG = "no_measured_config"

@@ -28,7 +28,7 @@ from dbus_fast.errors import DBusFastError
 
 from uapplace import busio
 from uapplace.alerts import Alert, Severity
-from uapplace.client import bus_daemon_message
+from uapplace.busutil import bus_daemon_message
 from uapplace.errors import PlacementFailure
 from uapplace.model import (
     Option,

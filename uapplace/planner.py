@@ -26,13 +26,17 @@ Rules that are easy to get wrong, all fail-closed:
 ``paused`` residents are not offered for reuse: a paused resident cannot serve
 a request (admission does not forward to it either), so "reuse" would promise
 a forward that never comes.
+
+The seams: who a victim is and what stopping or pausing it costs live in
+:mod:`uapplace.victims`; the exact minimal eviction set in :mod:`uapplace.eviction`;
+the order of the options in :mod:`uapplace.ranking`. This module generates the
+candidates and says why each rejected one failed.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from uapplace.conflicts import (
@@ -42,9 +46,9 @@ from uapplace.conflicts import (
     fits,
     gpu_shortfall_mib,
 )
+from uapplace.eviction import EvictionItem, ceil_mib, eviction_item, minimal_eviction
 from uapplace.model import (
     DEFAULT_CELLS,
-    EXECUTABLE_LEVERS,
     Config,
     Device,
     DeviceKind,
@@ -62,9 +66,18 @@ from uapplace.model import (
     VictimAction,
     cost_mib,
 )
+from uapplace.ranking import affinity_match, form_ranks, rank_options
 from uapplace.topology import same_endpoint
-
-_EPSILON_MIB = EPSILON_MIB
+from uapplace.victims import (
+    config_of,
+    envelope_figure,
+    fmt_mib,
+    holds,
+    model_of,
+    pause_level,
+    serves,
+    victim_of,
+)
 
 _NOT_SERVING = (ResidentState.DRAINING, ResidentState.PAUSED)
 
@@ -146,267 +159,7 @@ def plan_unload(inp: PlanInput, model: str) -> tuple[Victim, ...]:
     return tuple(victim_of(inp.registry, r, inp.inflight_known) for r in matched)
 
 
-def rank_options(options: Iterable[Option]) -> tuple[Option, ...]:
-    """Spec §4.4 order: reuse > wake with nothing to displace > load_alongside with
-    affinity > load_alongside > displace (and wake needing room) freeing the fewest
-    MiB > … > the most. Ties: fewer victims, then device and config key, so the
-    order is deterministic.
-
-    The stop and pause forms of one displacement (issue 12) share every key but the
-    last: MiB are counted as what *stopping* the victims would free
-    (:func:`displaced_mib`), so the two forms sit next to each other, ordered by
-    ``Option.form_rank``: the expected time until the victims serve again where
-    the envelopes measure it, else pause before stop.
-    """
-
-    def key(option: Option) -> tuple[int, int, float, int, str, str, str, str, float]:
-        kind = option.kind.value
-        if option.kind is OptionKind.REUSE:
-            return (0, 0, 0.0, 0, option.device, option.model, option.config, kind, 0.0)
-        if option.kind is OptionKind.WAKE and not option.victims:
-            return (1, 0, 0.0, 0, option.device, option.model, option.config, kind, 0.0)
-        if option.kind is OptionKind.LOAD_ALONGSIDE:
-            rank = 0 if option.affinity_match else 1
-            return (2, rank, 0.0, 0, option.device, option.model, option.config, kind, 0.0)
-        return (
-            3,
-            0,
-            displaced_mib(option),
-            len(option.victims),
-            option.device,
-            option.model,
-            option.config,
-            kind,
-            option.form_rank,
-        )
-
-    return tuple(sorted(options, key=key))
-
-
-def displaced_mib(option: Option) -> float:
-    """What stopping every victim of ``option`` would free: the ranking's MiB, the same
-    for an option's stop and pause forms."""
-    return sum(v.frees_mib + v.residual_mib for v in option.victims)
-
-
-def affinity_match(model: Model, device_key: str, task: str | None = None) -> bool:
-    """Whether loading ``model`` on ``device_key`` matches the model's stated affinity.
-
-    With a ``task``: the model lists it in ``task_affinity`` and the device is
-    one of its ``affinity_devices`` (or the model names none). Without one (the
-    admit path carries no task): the device is one of the model's
-    ``affinity_devices``, so a model that states no device affinity matches
-    nothing. Since every option of one plan is for one model, the flag mostly
-    tells the operator whether the placement follows the registry's stated
-    preference; the ranking still puts matching options first.
-    """
-    on_device = device_key in model.affinity_devices
-    if task is None:
-        return on_device
-    return task in model.task_affinity and (on_device or not model.affinity_devices)
-
-
-__all__ = ["PlanInput", "candidate_devices", "minimal_eviction", "plan", "plan_unload"]
-
-
-# --------------------------------------------------------------------------- residents
-
-
-def model_of(registry: Registry, resident: Resident) -> Model | None:
-    """The registry model a resident runs (its ``model`` is normally the model key)."""
-    found = registry.models.get(resident.model)
-    if found is not None:
-        return found
-    resolved = registry.resolve(resident.model)
-    return resolved[0] if resolved is not None else None
-
-
-def config_of(registry: Registry, resident: Resident) -> Config | None:
-    model = model_of(registry, resident)
-    return model.configs.get(resident.config) if model is not None else None
-
-
-def serves(registry: Registry, resident: Resident, model_id: str) -> bool:
-    """CONTRACT.md §1: the id is the resident's model key, its config key or an advertised id."""
-    if not model_id:
-        return False
-    if model_id in (resident.model, resident.config):
-        return True
-    model = model_of(registry, resident)
-    return model is not None and model_id in model.advertises
-
-
-def holds(resident: Resident) -> list[str]:
-    """``held by <app_id>: <reason>`` for each bus hold on the resident."""
-    return [
-        f"held by {h.client}: {h.detail}" if h.detail else f"held by {h.client}"
-        for h in resident.holders
-        if h.kind == "hold"
-    ]
-
-
-def in_flight(resident: Resident, inflight_known: bool) -> bool | None:
-    """``None`` when the proxy did not answer (unknown counts as busy, never idle)."""
-    if not inflight_known:
-        return None
-    return any(h.kind == "inflight" for h in resident.holders)
-
-
-def consequence(state: ResidentState, busy: bool | None) -> str:
-    """Spec §4.5: what stopping a resident in ``state`` costs its users."""
-    if state is ResidentState.HOT:
-        if busy is True:
-            return "active generation aborted; context lost"
-        if busy is None:
-            return (
-                "in-flight work unknown (the proxy did not answer), counted as busy: "
-                "an active generation may be aborted; context lost"
-            )
-        return "session idle, context lost, reload needed"
-    if state is ResidentState.WARMING:
-        return "load wasted; VRAM returns on stop"
-    if state is ResidentState.PAUSED:
-        return "already offloaded; restore path lost"
-    if busy is True:
-        return "already draining; stopping now aborts the generation still in flight; context lost"
-    if busy is None:
-        return (
-            "already draining; in-flight work unknown (the proxy did not answer), counted as "
-            "busy: a generation may be aborted; context lost"
-        )
-    return "already draining and idle; the stop completes the drain, reload needed"
-
-
-def pause_consequence(level: int, busy: bool | None) -> str:
-    """The §4.5 table's ``pause`` row (issue 12): KV and context are lost either way;
-    what differs from a stop is where the weights go and how the model comes back."""
-    if busy is True:
-        first = "active generation aborted; context lost"
-    elif busy is None:
-        first = (
-            "in-flight work unknown (the proxy did not answer), counted as busy: "
-            "an active generation may be aborted; context lost"
-        )
-    else:
-        first = "session idle, context lost"
-    if level == 1:
-        return f"{first}; paused: weights offloaded to host RAM, wake needed (no reload)"
-    return f"{first}; paused: weights discarded, wake reloads them from disk"
-
-
-CONSEQUENCES: tuple[tuple[str, str, str, str], ...] = (
-    ("hot", "stop", "yes", "active generation aborted; context lost"),
-    ("hot", "stop", "no", "session idle, context lost, reload needed"),
-    ("hot", "pause (level 1)", "no", pause_consequence(1, False)),
-    ("hot", "pause (level 2)", "no", pause_consequence(2, False)),
-    ("warming", "stop", "—", "load wasted; VRAM returns on stop"),
-    ("paused", "stop", "—", "already offloaded; restore path lost"),
-)
-"""Spec §4.5's consequence table with the ``pause`` rows (state, action, in flight,
-consequence); :func:`consequence` and :func:`pause_consequence` compute each cell.
-Only a ``hot`` resident is ever paused: a warming one has nothing to offload yet,
-a paused one is paused already, a draining one is being stopped."""
-
-
-def envelope_figure(config: Config | None, name: str) -> float | None:
-    """One figure of a config's measured enforcement envelope (``model.Envelope``:
-    ``stop_s``, ``free_s``, ``cold_start_s``, ``warm_start_s``, ``sleep_s``,
-    ``sleep_freed_mib``, ``wake_s``), ``None`` when unmeasured. ``cold_start_s`` falls
-    back to the config's measured ``start_s``."""
-    if config is None:
-        return None
-    value = getattr(config.envelope, name, None) if config.envelope is not None else None
-    if value is None and name == "cold_start_s":
-        value = config.start_s
-    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
-        return float(value)
-    return None
-
-
-def pause_level(registry: Registry, resident: Resident) -> int | None:
-    """The sleep level enforcement would pause ``resident`` with, ``None`` when it cannot
-    be paused: only a ``hot`` resident whose config declares an executable lever
-    (:data:`~uapplace.model.EXECUTABLE_LEVERS`), measured for this machine, with an
-    endpoint to send the sleep to."""
-    config = config_of(registry, resident)
-    if config is None or config.pause_lever not in EXECUTABLE_LEVERS:
-        return None
-    if resident.state is not ResidentState.HOT or resident.endpoint is None:
-        return None
-    return config.sleep_level
-
-
-def pause_figures(config: Config | None, resident: Resident, level: int) -> tuple[float, float]:
-    """(GPU MiB a pause frees, host MiB it moves into the process).
-
-    Frees the envelope's measured ``sleep_freed_mib`` when there is one, else the
-    resident's whole footprint (``gpu_mib``): the residual CUDA context is then
-    unknown and counted as zero, which the verify-free probe checks after the sleep.
-    Level 1 moves the weights to host RAM: ``sleep_freed_mib`` when measured, else
-    the config's ``resident_gpu_mib`` as the offloaded-weights figure (it includes
-    the KV pool, which is discarded, so this over-counts: fail-closed for the host
-    gate). Level 2 discards the weights: the host does not grow.
-    """
-    held = resident.gpu_mib or 0.0
-    measured = envelope_figure(config, "sleep_freed_mib")
-    freed = min(held, measured) if measured is not None else held
-    if level != 1:
-        return freed, 0.0
-    weights = measured if measured is not None else (config.resident_gpu_mib if config else None)
-    return freed, float(weights if weights is not None else held)
-
-
-def _seconds(value: float | None) -> str:
-    return f"{value:.1f} s" if value is not None else "unmeasured"
-
-
-def victim_of(
-    registry: Registry,
-    resident: Resident,
-    inflight_known: bool,
-    action: VictimAction = "stop",
-) -> Victim:
-    """The preview victim for ``resident``: stopped, or paused (``action="pause"``,
-    only where :func:`pause_level` allows). Each carries what the other action would
-    cost (``alternative``) where it has one."""
-    busy = in_flight(resident, inflight_known)
-    config = config_of(registry, resident)
-    level = pause_level(registry, resident)
-    cold = envelope_figure(config, "cold_start_s")
-    wake = envelope_figure(config, "wake_s")
-    freed, grows = pause_figures(config, resident, level) if level is not None else (0.0, 0.0)
-    if action == "pause":
-        if level is None:
-            raise ValueError(f"{resident.signature}: cannot be paused (no executable lever)")
-        text = pause_consequence(level, busy)
-        held = _fmt(resident.gpu_mib or 0.0)
-        alternative = f"stopping instead: reload ≈ {_seconds(cold)}, frees {held} MiB"
-    else:
-        text = consequence(resident.state, busy)
-        alternative = ""
-        if level is not None:
-            host = f", host RAM +{_fmt(grows)} MiB" if grows else ""
-            alternative = f"pausing instead: wake ≈ {_seconds(wake)}, frees {_fmt(freed)} MiB{host}"
-    if resident.gpu_mib is None:
-        text += "; VRAM it frees is unknown (footprint not measured)"
-    reload_mib = config.resident_gpu_mib if config is not None and config.is_measured else None
-    paused = action == "pause"
-    return Victim(
-        model=resident.model,
-        config=resident.config,
-        state=resident.state,
-        device=resident.device,
-        holders=resident.holders,
-        in_flight=busy,
-        frees_mib=freed if paused else resident.gpu_mib or 0.0,
-        consequence=text,
-        reload_mib=reload_mib if reload_mib is not None else resident.gpu_mib,
-        action=action,
-        serve_again_s=wake if paused else cold,
-        residual_mib=max(0.0, (resident.gpu_mib or 0.0) - freed) if paused else 0.0,
-        host_grows_mib=grows if paused else 0.0,
-        alternative=alternative,
-    )
+__all__ = ["PlanInput", "plan", "plan_unload"]
 
 
 def _reuse_options(inp: PlanInput, requested: str) -> list[Option]:
@@ -417,151 +170,7 @@ def _reuse_options(inp: PlanInput, requested: str) -> list[Option]:
     ]
 
 
-# --------------------------------------------------------------------------- minimal eviction set
-
-
-@dataclass(frozen=True)
-class EvictionItem:
-    """One eligible victim in integer MiB: what it frees on the GPU and on the host."""
-
-    resident: Resident
-    gpu_mib: int
-    host_mib: int
-
-
-def minimal_eviction(
-    items: Sequence[EvictionItem], need_gpu: int, need_host: int = 0
-) -> tuple[EvictionItem, ...] | None:
-    """The exact minimal set freeing ``≥ need_gpu`` GPU MiB and ``≥ need_host`` host MiB.
-
-    Minimal means, in order: the fewest GPU MiB freed, then the fewest victims,
-    then the lexically smallest sorted list of ``model/config`` signatures.
-    ``()`` when nothing needs freeing, ``None`` when even every item together
-    is not enough. Fractions are the caller's business: pass what each victim
-    frees rounded down and the need rounded up.
-
-    Both methods below are exact subset-sum searches over integer MiB; neither
-    is greedy (largest-first and smallest-first both miss the optimum).
-    """
-    need_gpu = max(0, need_gpu)
-    need_host = max(0, need_host)
-    if need_gpu == 0 and need_host == 0:
-        return ()
-    ordered = sorted(items, key=lambda it: (it.resident.signature, it.resident.device))
-    if need_host == 0:
-        chosen = _fewest_mib_bitsets([it.gpu_mib for it in ordered], need_gpu)
-    else:
-        chosen = _fewest_mib_states(ordered, need_gpu, need_host)
-    return None if chosen is None else tuple(ordered[i] for i in chosen)
-
-
-def _lowest_bit_from(bits: int, start: int) -> int | None:
-    high = bits >> start
-    return None if high == 0 else start + (high & -high).bit_length() - 1
-
-
-def _fewest_mib_bitsets(weights: Sequence[int], need: int) -> tuple[int, ...] | None:
-    """GPU need only: reachable sums as integer bitsets, layered by victim count.
-
-    ``layers[k]`` has bit ``s`` set when some k items sum to exactly ``s``. Only
-    sums below ``need + max weight`` matter (a minimal set minus any member
-    falls short), which bounds every bitset. First pass: the smallest sum
-    ``≥ need`` and the fewest items reaching it. Second pass: the same layers
-    over each suffix ``items[i:]``, so the lexically first set is picked item by
-    item. Cost: O(n²) shifts of (need + max weight)-bit integers, each a few
-    hundred machine words on a 24 GiB card: well under a millisecond for 64
-    residents, and independent of how the sums are spread.
-    """
-    if not weights:
-        return None
-    width = need + max(weights)
-    mask = (1 << width) - 1
-    layers = [1] + [0] * len(weights)
-    for weight in weights:
-        for count in range(len(weights), 0, -1):
-            layers[count] |= (layers[count - 1] << weight) & mask
-    reach = 0
-    for layer in layers:
-        reach |= layer
-    target = _lowest_bit_from(reach, need)
-    if target is None:
-        return None
-    fewest = next(k for k, layer in enumerate(layers) if layer >> target & 1)
-    # suffix[i][k]: sums of exactly k items among weights[i:], for k ≤ fewest.
-    suffix = [[1] + [0] * fewest]
-    for weight in reversed(weights):
-        after = suffix[-1]
-        here = [after[0]] + [
-            after[k] | ((after[k - 1] << weight) & mask) for k in range(1, fewest + 1)
-        ]
-        suffix.append(here)
-    suffix.reverse()
-    chosen: list[int] = []
-    left, count = target, fewest
-    for index, weight in enumerate(weights):
-        if count == 0:
-            break
-        if weight <= left and suffix[index + 1][count - 1] >> (left - weight) & 1:
-            chosen.append(index)
-            left -= weight
-            count -= 1
-    return tuple(chosen)
-
-
-def _fewest_mib_states(
-    ordered: Sequence[EvictionItem], need_gpu: int, need_host: int
-) -> tuple[int, ...] | None:
-    """GPU and host need: a dynamic programme over (GPU MiB, host MiB capped at the need).
-
-    Items come in signature order, so adding one appends it to every set's
-    sorted signature list and keeps the (count, lexical) order between two
-    sets: keeping only the best set per state is exact. A set meeting both
-    needs is finished and never extended (a superset frees more); a set that
-    can no longer reach the need, or frees more GPU MiB than the best finished
-    one, is dropped. Cost: O(n · S) for S ≤ min(2ⁿ, (need_gpu + max weight) ·
-    (need_host + 1)) states. It only runs when host RAM is short, which with a
-    handful of residents per device stays in milliseconds; it grows
-    exponentially past about 20 residents on one device.
-    """
-    left_gpu = list(itertools.accumulate(reversed([it.gpu_mib for it in ordered]), initial=0))
-    left_host = list(itertools.accumulate(reversed([it.host_mib for it in ordered]), initial=0))
-    left_gpu.reverse()
-    left_host.reverse()
-    # (gpu freed, host freed capped at the need) -> (victim count, indices)
-    states: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {(0, 0): (0, ())}
-    best: tuple[int, int, tuple[int, ...]] | None = None
-    for index, item in enumerate(ordered):
-        for (gpu, host), (count, chosen) in list(states.items()):
-            if (
-                gpu + left_gpu[index] < need_gpu
-                or host + left_host[index] < need_host
-                or (best is not None and gpu > best[0])
-            ):
-                del states[(gpu, host)]
-                continue
-            key = (gpu + item.gpu_mib, min(need_host, host + item.host_mib))
-            grown = (count + 1, (*chosen, index))
-            if key[0] >= need_gpu and key[1] >= need_host:
-                if best is None or (key[0], *grown) < best:
-                    best = (key[0], *grown)
-                continue
-            current = states.get(key)
-            if current is None or grown < current:
-                states[key] = grown
-    return None if best is None else best[2]
-
-
 # --------------------------------------------------------------------------- one candidate
-
-
-def _fmt(mib: float) -> str:
-    """MiB for a human: integers bare, fractions to the spec's three decimals."""
-    rounded = round(mib, 3)
-    return str(int(rounded)) if float(rounded).is_integer() else f"{rounded:.3f}"
-
-
-def _ceil_mib(mib: float) -> int:
-    return math.ceil(mib - _EPSILON_MIB)
 
 
 @dataclass(frozen=True)
@@ -655,7 +264,7 @@ class _Search:
         gpu_need = budget.gpu_need
         host_rss = 0.0 if wake else config.host_rss_mib or 0.0
         host_need = host_rss - budget.host_room
-        if budget.fits_alongside and host_need <= _EPSILON_MIB and not required:
+        if budget.fits_alongside and host_need <= EPSILON_MIB and not required:
             if wake is not None:
                 return [self._option(OptionKind.WAKE, config, budget, ())]
             return [
@@ -849,12 +458,12 @@ class _Search:
             if why is not None:
                 notes.append(f"{resident.signature} {why}")
             elif resident not in required:
-                items.append(_item(resident))
-        forced = [_item(r) for r in required]
+                items.append(eviction_item(resident))
+        forced = [eviction_item(r) for r in required]
         found = minimal_eviction(
             items,
-            _ceil_mib(gpu_need) - sum(it.gpu_mib for it in forced),
-            _ceil_mib(host_need) - sum(it.host_mib for it in forced),
+            ceil_mib(gpu_need) - sum(it.gpu_mib for it in forced),
+            ceil_mib(host_need) - sum(it.host_mib for it in forced),
         )
         if found is None:
             host_rss = 0.0 if kind is OptionKind.WAKE else config.host_rss_mib or 0.0
@@ -870,7 +479,7 @@ class _Search:
         if isinstance(paused, str):
             return [stop_form, paused]
         pause_form = self._option(kind, config, budget, paused, form_rank=0.0)
-        stop_rank, pause_rank = _form_ranks(victims, paused)
+        stop_rank, pause_rank = form_ranks(victims, paused)
         return [replace(stop_form, form_rank=stop_rank), replace(pause_form, form_rank=pause_rank)]
 
     def _pause_form(
@@ -905,9 +514,9 @@ class _Search:
         )
         what = f"{budget.device.key}: pausing instead of stopping ({label})"
         freed = sum(math.floor(v.frees_mib) for v in victims)
-        if freed < _ceil_mib(gpu_need):
+        if freed < ceil_mib(gpu_need):
             return (
-                f"{what} frees {_fmt(freed)} MiB, {_fmt(gpu_need)} MiB needed (the paused "
+                f"{what} frees {fmt_mib(freed)} MiB, {fmt_mib(gpu_need)} MiB needed (the paused "
                 "engines keep the rest)"
             )
         stopped_host = sum(
@@ -915,12 +524,12 @@ class _Search:
         )
         grows = sum(v.host_grows_mib for v in victims)
         short = host_need + grows - stopped_host
-        if short > _EPSILON_MIB:
+        if short > EPSILON_MIB:
             host = budget.host
             return (
-                f"{host.key}: {what} moves {_fmt(grows)} MiB of weights into host RAM; "
-                f"{_fmt(budget.host_room)} MiB available above the {_fmt(host.reserved_mib)} MiB "
-                f"reserve is {_fmt(short)} MiB short"
+                f"{host.key}: {what} moves {fmt_mib(grows)} MiB of weights into host RAM; "
+                f"{fmt_mib(budget.host_room)} MiB available above the "
+                f"{fmt_mib(host.reserved_mib)} MiB reserve is {fmt_mib(short)} MiB short"
             )
         return victims
 
@@ -936,49 +545,31 @@ class _Search:
         device = budget.device
         most_gpu = sum(it.gpu_mib for it in eligible)
         suffix = f"; not displaceable: {'; '.join(notes)}" if notes else ""
-        if _ceil_mib(gpu_need) > most_gpu:
+        if ceil_mib(gpu_need) > most_gpu:
             more = (
-                f", and displacing every eligible resident frees at most {_fmt(most_gpu)} MiB more"
+                ", and displacing every eligible resident frees at most "
+                f"{fmt_mib(most_gpu)} MiB more"
                 if eligible
                 else ""
             )
             return (
-                f"{device.key}: {label} needs {_fmt(budget.cost)} MiB; "
-                f"{_fmt(device.total_mib)} total − {_fmt(device.reserved_mib)} reserved − "
-                f"{_fmt(budget.gpu_loaded)} loaded leaves {_fmt(budget.gpu_room)} MiB{more}{suffix}"
+                f"{device.key}: {label} needs {fmt_mib(budget.cost)} MiB; "
+                f"{fmt_mib(device.total_mib)} total − {fmt_mib(device.reserved_mib)} reserved − "
+                f"{fmt_mib(budget.gpu_loaded)} loaded leaves {fmt_mib(budget.gpu_room)} MiB"
+                f"{more}{suffix}"
             )
         host = budget.host
         extra = sum(it.host_mib for it in eligible)
         freed = (
-            f", even after displacing every eligible resident there (+{_fmt(extra)} MiB)"
+            f", even after displacing every eligible resident there (+{fmt_mib(extra)} MiB)"
             if eligible
             else ""
         )
         return (
-            f"{host.key}: host RAM {_fmt(host_rss)} MiB needed, "
-            f"{_fmt(budget.host_room)} MiB available above the "
-            f"{_fmt(host.reserved_mib)} MiB reserve (for {label} on {device.key}{freed}){suffix}"
+            f"{host.key}: host RAM {fmt_mib(host_rss)} MiB needed, "
+            f"{fmt_mib(budget.host_room)} MiB available above the "
+            f"{fmt_mib(host.reserved_mib)} MiB reserve (for {label} on {device.key}{freed}){suffix}"
         )
-
-
-def _form_ranks(stopped: Sequence[Victim], paused: Sequence[Victim]) -> tuple[float, float]:
-    """(stop form, pause form) ranks: the expected seconds until every victim serves
-    again (Σ ``serve_again_s``) when both forms are fully measured; otherwise the
-    documented default, pause (0) before stop (1), since a wake skips the load."""
-    stop_total = [v.serve_again_s for v in stopped]
-    pause_total = [v.serve_again_s for v in paused]
-    if None in stop_total or None in pause_total:
-        return 1.0, 0.0
-    return sum(s for s in stop_total if s is not None), sum(s for s in pause_total if s is not None)
-
-
-def _item(resident: Resident) -> EvictionItem:
-    # Floor what a victim frees and ceil what is needed: a fraction never tips a fit.
-    return EvictionItem(
-        resident,
-        math.floor(resident.gpu_mib or 0.0),
-        math.floor(resident.host_rss_mib or 0.0),
-    )
 
 
 def _unavailable(device_key: str, reading: DeviceReading | None) -> str | None:

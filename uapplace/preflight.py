@@ -1,4 +1,10 @@
-"""The preflight check: what is about to start can start, before anything stops."""
+"""The preflight check: what is about to start can start, before anything stops.
+
+Pure: :func:`preflight_problems` takes the facts (:class:`PreflightFacts`: the
+unit's state and ``ExecStart=`` binaries, the config's provenance, a fresh host
+reading) and names every problem at once. The enforcement step that gathers the
+facts and records the ``preflight`` step is :func:`uapplace.enforce_steps.preflight`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,6 @@ import os
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from uapplace.model import (
     Config,
@@ -22,14 +27,9 @@ from uapplace.units import (
     state_text,
     units_of,
 )
-
-if TYPE_CHECKING:
-    pass
+from uapplace.verify import DOWN_STATES
 
 log = logging.getLogger(__name__)
-
-
-_DOWN_STATES = frozenset({"failed", "inactive"})
 
 
 # --------------------------------------------------------------------------- preflight
@@ -106,7 +106,7 @@ def _unit_problems(facts: PreflightFacts) -> list[str]:
         for path, problem in facts.binaries.items()
         if problem
     ]
-    if state.active_state not in _DOWN_STATES and unit not in units_of(facts.victims):
+    if state.active_state not in DOWN_STATES and unit not in units_of(facts.victims):
         # Not a published resident (the planner would have offered reuse), not a victim
         # that stops first: an engine nobody verified. Starting it is a no-op, and the
         # rollback would stop what ran before this run: refuse instead.

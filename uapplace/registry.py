@@ -1,4 +1,5 @@
-"""The model registry: schema, repo + machine-local merge, provenance (spec §4.1, §9.1).
+"""The model registry: repo + machine-local merge, provenance, which figures count here
+(spec §4.1, §9.1).
 
 Two files describe the machine. ``config/model-registry.json`` (the repo) carries the
 shape: devices, models, config names, advertised ids, units. ``$UAP_HOME/model-registry.json``
@@ -15,32 +16,21 @@ Every config and every device field records which file it came from, so
 A broken repo file raises :class:`ConfigFileError`. A broken local file does not: the
 repo defaults load (everything the local file would have measured stays unmeasured and
 fails closed) and the error travels in :attr:`RegistryLoad.errors`.
+
+The files' schema is :mod:`uapplace.registry_schema`; ``uapplace measure`` writes the
+machine-local file through :mod:`uapplace.registry_write`; unit names are checked by
+:mod:`uapplace.unitnames`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
-
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    ValidationError,
-)
+from typing import Any
 
 from uapplace import jsonfile
-from uapplace.jsonfile import ConfigFileError as ConfigFileError  # re-exported: its old home
+from uapplace.jsonfile import ConfigFileError
 from uapplace.model import (
     Config,
     ConfigStatus,
@@ -50,322 +40,25 @@ from uapplace.model import (
     DeviceReading,
     Envelope,
     Model,
-    PauseLever,
     ProbeSource,
     Provenance,
     Registry,
     parse_iso,
 )
-
-UNIT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]*$")
-DEVICE_KEY_RE = r"^[A-Za-z0-9_.-]+$"
-"""Device keys become the ``<device>:`` half of a proxy ``target_id`` (CONTRACT.md §1)."""
-
-_UNIT_NAME_MAX = 255
-_UNIT_SUFFIXES = frozenset(
-    {
-        "service",
-        "socket",
-        "target",
-        "device",
-        "mount",
-        "automount",
-        "swap",
-        "timer",
-        "path",
-        "slice",
-        "scope",
-    }
+from uapplace.registry_schema import (
+    DeviceDoc,
+    EnvelopeDoc,
+    LocalRegistryDoc,
+    MeasuredConfigDoc,
+    MeasuredDeviceDoc,
+    ModelDoc,
+    RegistryDoc,
+    UnmeasuredConfigDoc,
+    config_tag,
+    json_path,
+    parse_doc,
+    raise_all,
 )
-_CONFIG_TAGS = ("measured", "unmeasured")
-
-
-# --------------------------------------------------------------------------- errors
-
-
-def combined(errors: list[ConfigFileError]) -> ConfigFileError:
-    """The first error, carrying the rest in :attr:`ConfigFileError.others`."""
-    first, *rest = errors
-    return ConfigFileError(first.file, first.json_path, first.message, tuple(rest))
-
-
-def _raise_all(errors: list[ConfigFileError]) -> None:
-    if errors:
-        raise combined(errors)
-
-
-def json_path(loc: Iterable[str | int]) -> str:
-    """``("models", "m", "configs", 0)`` → ``$.models.m.configs[0]``."""
-    out = "$"
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return out
-
-
-def _clean_loc(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
-    """Drop the discriminator tag pydantic puts after a config key, and its ``[key]`` marker."""
-    parts = list(loc)
-    is_config = len(parts) > 4 and parts[0] == "models" and parts[2] == "configs"
-    if is_config and parts[4] in _CONFIG_TAGS:
-        del parts[4]
-    return tuple(p for p in parts if p != "[key]")
-
-
-def validation_errors(
-    exc: ValidationError, file: Path, prefix: tuple[str | int, ...] = ()
-) -> list[ConfigFileError]:
-    """One :class:`ConfigFileError` per pydantic error, each naming its JSON path.
-
-    ``prefix`` roots the paths when the validated object sits inside a larger file.
-    """
-    out: list[ConfigFileError] = []
-    for err in exc.errors(include_url=False):
-        loc = (*prefix, *err["loc"])
-        message = str(err["msg"])
-        if "[key]" in loc:
-            message = f"bad key: {message}"
-        out.append(ConfigFileError(file, json_path(_clean_loc(loc)), message))
-    return out
-
-
-def read_json(path: Path) -> Any:
-    """Parse a JSON file; every failure is a :class:`ConfigFileError` naming the file.
-
-    :func:`uapplace.jsonfile.read_json`: 4 MiB and 64 levels at most, finite numbers
-    only, and duplicate object keys refused (in a hand-edited file the second one is a
-    typo that would otherwise silently win).
-    """
-    return jsonfile.read_json(path)
-
-
-# --------------------------------------------------------------------------- names
-
-
-def valid_unit_name(name: str) -> bool:
-    """Safe to hand to systemd as a user unit name (never to a shell)."""
-    return (
-        0 < len(name) <= _UNIT_NAME_MAX
-        and UNIT_NAME_RE.fullmatch(name) is not None
-        and ".." not in name
-        and "/" not in name
-    )
-
-
-def unit_file_name(name: str) -> str:
-    """``uap-strata-server`` → ``uap-strata-server.service``; a typed name stays as it is."""
-    _, dot, suffix = name.rpartition(".")
-    if dot and suffix in _UNIT_SUFFIXES:
-        return name
-    return f"{name}.service"
-
-
-def _check_unit(name: str) -> str:
-    if not valid_unit_name(name):
-        raise ValueError(
-            f"invalid unit name {name!r}: must match {UNIT_NAME_RE.pattern}, "
-            "contain no '..' and no '/'"
-        )
-    return name
-
-
-def _check_endpoint(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if scheme not in ("http", "https") or not sep or not rest or any(c.isspace() for c in url):
-        raise ValueError(f"endpoint {url!r} must be an http:// or https:// URL with no spaces")
-    return url
-
-
-def _check_iso(text: str) -> str:
-    try:
-        parse_iso(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not an ISO-8601 time such as 2026-10-08T14:02:00Z") from None
-    return text
-
-
-UnitName = Annotated[str, AfterValidator(_check_unit)]
-Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
-IsoTime = Annotated[str, AfterValidator(_check_iso)]
-DeviceKey = Annotated[str, Field(pattern=DEVICE_KEY_RE)]
-NonEmpty = Annotated[str, Field(min_length=1)]
-Mib = Annotated[float, Field(ge=0)]
-Cells = Annotated[int, Field(ge=1)]
-Seconds = Annotated[float, Field(gt=0)]
-
-
-# --------------------------------------------------------------------------- file schema
-
-
-class _Doc(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class DeviceDoc(_Doc):
-    kind: Literal["gpu", "cpu"]
-    total_mib: Annotated[int, Field(ge=1)]
-    reserved_mib: Annotated[int, Field(ge=0)]
-    name: str = ""
-    reserve_reason: str = ""
-    uuid: NonEmpty | None = None
-
-
-class DeviceOverlayDoc(_Doc):
-    """A device in the local file: any subset of fields, each overriding the repo's."""
-
-    kind: Literal["gpu", "cpu"] | None = None
-    total_mib: Annotated[int, Field(ge=1)] | None = None
-    reserved_mib: Annotated[int, Field(ge=0)] | None = None
-    name: str | None = None
-    reserve_reason: str | None = None
-    uuid: NonEmpty | None = None
-
-
-class MeasuredDeviceDoc(_Doc):
-    """The device a measurement was taken on, as ``measure`` read it from the probe."""
-
-    name: NonEmpty | None = None
-    uuid: NonEmpty | None = None
-    total_mib: Annotated[int, Field(ge=1)] | None = None
-
-
-class EnvelopeDoc(_Doc):
-    """A config's measured enforcement envelope (``uapplace measure --envelope``; seconds)."""
-
-    stop_s: Annotated[float, Field(ge=0)]
-    free_s: Annotated[float, Field(ge=0)]
-    cold_start_s: Annotated[float, Field(ge=0)]
-    warm_start_s: Annotated[float, Field(ge=0)]
-    sleep_s: Annotated[float, Field(ge=0)] | None = None
-    sleep_freed_mib: Mib | None = None
-    wake_s: Annotated[float, Field(ge=0)] | None = None
-    measured_at: IsoTime
-    measured_on: NonEmpty
-
-
-class MeasuredConfigDoc(_Doc):
-    status: Literal["measured"] = "measured"
-    resident_gpu_mib: Mib
-    host_rss_mib: Mib
-    context_pool_cells: Cells | None = None
-    per_session_cap_cells: Cells | None = None
-    kv_resident_cells: Annotated[int, Field(ge=0)] | None = None
-    kv_mib_per_1k_cells: Mib | None = None
-    kv: NonEmpty | None = None
-    measured_at: IsoTime | None = None
-    measured_on: NonEmpty | None = None
-    measured_device: MeasuredDeviceDoc | None = None
-    engine_build: NonEmpty | None = None
-    flags: list[str] = []
-    unit: UnitName | None = None
-    endpoint: Endpoint | None = None
-    # Diagnostics `measure` records alongside the footprint (spec §4.1.1); never in the cost.
-    expert_cache_mib: Mib | None = None
-    arena_mib: Mib | None = None
-    host_free_mib: Mib | None = None
-    # Start facts for enforcement's verify-up bound (timeouts.Timeouts.verify_up_bound).
-    start_s: Seconds | None = None
-    start_timeout_s: Seconds | None = None
-    # The engine's in-process pause lever (model.PauseLever; issue 12), declared, not measured.
-    pause_lever: PauseLever | None = None
-    # The measured enforcement envelope (machine-local; measure.py, timeouts.Timeouts).
-    envelope: EnvelopeDoc | None = None
-
-
-class UnmeasuredConfigDoc(_Doc):
-    status: Literal["unmeasured"]
-    unit: UnitName | None = None
-    endpoint: Endpoint | None = None
-    start_timeout_s: Seconds | None = None
-    pause_lever: PauseLever | None = None
-
-
-def _config_tag(raw: Any) -> str:
-    if isinstance(raw, dict) and raw.get("status") == "unmeasured":
-        return "unmeasured"
-    return "measured"
-
-
-ConfigDoc = Annotated[
-    Annotated[MeasuredConfigDoc, Tag("measured")]
-    | Annotated[UnmeasuredConfigDoc, Tag("unmeasured")],
-    Discriminator(_config_tag),
-]
-
-
-class AffinityDoc(_Doc):
-    device: list[NonEmpty] = []
-
-
-class ModelDoc(_Doc):
-    display: NonEmpty
-    engine: NonEmpty
-    configs: Annotated[dict[NonEmpty, ConfigDoc], Field(min_length=1)]
-    unit: UnitName | None = None
-    launch: str | None = None
-    profile: str | None = None
-    endpoint: Endpoint | None = None
-    service: NonEmpty | None = None
-    rails: Annotated[int, Field(ge=1)] | None = None
-    rails_source: str | None = None
-    task_affinity: list[NonEmpty] = []
-    affinity: AffinityDoc | None = None
-    advertises: list[NonEmpty] = []
-    engine_build: NonEmpty | None = None
-
-
-class ModelOverlayDoc(_Doc):
-    """A model in the local file: fields override the repo's; configs replace per key."""
-
-    display: NonEmpty | None = None
-    engine: NonEmpty | None = None
-    configs: dict[NonEmpty, ConfigDoc] = {}
-    unit: UnitName | None = None
-    launch: str | None = None
-    profile: str | None = None
-    endpoint: Endpoint | None = None
-    service: NonEmpty | None = None
-    rails: Annotated[int, Field(ge=1)] | None = None
-    rails_source: str | None = None
-    task_affinity: list[NonEmpty] | None = None
-    affinity: AffinityDoc | None = None
-    advertises: list[NonEmpty] | None = None
-    engine_build: NonEmpty | None = None
-
-
-class ProxyDoc(_Doc):
-    """How the proxy in front reaches the engines (:mod:`uapplace.topology`)."""
-
-    single_upstream: Endpoint | None = None
-    """Every request goes to this one address (the stock UAP proxy's ``LLAMA_CPP_BASE``);
-    absent or null: the proxy routes by ``target_id``."""
-
-
-class RegistryDoc(_Doc):
-    version: Literal[1]
-    devices: dict[DeviceKey, DeviceDoc] = {}
-    models: dict[NonEmpty, ModelDoc] = {}
-    proxy: ProxyDoc | None = None
-
-
-class LocalRegistryDoc(_Doc):
-    version: Literal[1] = 1
-    devices: dict[DeviceKey, DeviceOverlayDoc] = {}
-    models: dict[NonEmpty, ModelOverlayDoc] = {}
-    proxy: ProxyDoc | None = None
-    """Overrides the repo's ``proxy.single_upstream`` when it names the key (null: off)."""
-
-
-DocT = TypeVar("DocT", bound=BaseModel)
-
-
-def _parse(doc_type: type[DocT], raw: Any, file: Path, prefix: tuple[str | int, ...] = ()) -> DocT:
-    """Validate ``raw``; every problem becomes a :class:`ConfigFileError` at ``prefix + loc``."""
-    try:
-        return doc_type.model_validate(raw)
-    except ValidationError as exc:
-        _raise_all(validation_errors(exc, file, prefix))
-        raise  # unreachable: a ValidationError always carries at least one error
-
 
 # --------------------------------------------------------------------------- merge
 
@@ -414,7 +107,7 @@ def _merge_device(src: _Sources, key: str) -> Device:
     local_devices = src.local.devices if src.local else {}
     over = local_devices[key].model_dump(exclude_unset=True) if key in local_devices else {}
     merged = {**base, **over}
-    doc = _parse(DeviceDoc, merged, src.file("local"), ("devices", key))
+    doc = parse_doc(DeviceDoc, merged, src.file("local"), ("devices", key))
     return Device(
         key=key,
         kind=DeviceKind(doc.kind),
@@ -521,7 +214,7 @@ def _merge_model(src: _Sources, key: str) -> tuple[Model, dict[str, Provenance]]
         **over,
         "configs": {k: c.model_dump(exclude_unset=True) for k, c in configs.items()},
     }
-    doc = _parse(ModelDoc, merged, src.file("local"), ("models", key))
+    doc = parse_doc(ModelDoc, merged, src.file("local"), ("models", key))
     model = Model(
         key=key,
         display=doc.display,
@@ -594,7 +287,7 @@ def _build(src: _Sources) -> tuple[Registry, dict[str, dict[str, Provenance]]]:
     model_provenance: dict[str, dict[str, Provenance]] = {}
     for key in _ordered_keys(src.repo.models, local_models):
         models[key], model_provenance[key] = _merge_model(src, key)
-    _raise_all(_reference_errors(src, devices, models, model_provenance))
+    raise_all(_reference_errors(src, devices, models, model_provenance))
     registry = Registry(devices=devices, models=models, single_upstream=_single_upstream(src))
     return registry, model_provenance
 
@@ -614,11 +307,11 @@ def load_registry(repo_path: Path, local_path: Path | None) -> RegistryLoad:
     that is unreadable or invalid is ignored whole (a half-applied measurement file is
     worse than none) and reported in :attr:`RegistryLoad.errors`; a missing one is normal.
     """
-    repo = _parse(RegistryDoc, read_json(repo_path), repo_path)
+    repo = parse_doc(RegistryDoc, jsonfile.read_json(repo_path), repo_path)
     errors: tuple[ConfigFileError, ...] = ()
     if local_path is not None and local_path.exists():
         try:
-            local = _parse(LocalRegistryDoc, read_json(local_path), local_path)
+            local = parse_doc(LocalRegistryDoc, jsonfile.read_json(local_path), local_path)
             registry, provenance = _build(_Sources(repo, local, repo_path, local_path))
             return RegistryLoad(registry, (), repo_path, local_path, provenance)
         except ConfigFileError as err:
@@ -726,7 +419,7 @@ def local_measurements(doc: Mapping[str, Any]) -> dict[str, Any]:
         measured = {
             name: dict(config)
             for name, config in (model.get("configs") or {}).items()
-            if _config_tag(config) == "measured"
+            if config_tag(config) == "measured"
         }
         if measured:
             models[key] = {"configs": measured}
@@ -767,51 +460,6 @@ def provenance_rows(load: RegistryLoad) -> list[dict[str, str]]:
             if config.envelope is not None:
                 rows[-1]["envelope"] = envelope_summary(config.envelope)
     return rows
-
-
-# --------------------------------------------------------------------------- local writes
-
-
-def write_local_measurement(
-    local_path: Path, model: str, config: str, fields: Mapping[str, Any]
-) -> None:
-    """Record one config's measurement in the machine-local file, replacing that config whole.
-
-    Everything else in the file is kept. The result is validated before the file is
-    replaced, and the replacement is atomic (temp file, fsync, rename): a reader sees
-    the old file or the new one, never half of either.
-    """
-    doc = _read_for_update(local_path)
-    models = _object_at(doc, ("models",), local_path)
-    _object_at(models, ("models", model), local_path)
-    configs = _object_at(models[model], ("models", model, "configs"), local_path)
-    configs[config] = dict(fields)
-    _replace_local(local_path, doc)
-
-
-def write_local_envelope(
-    local_path: Path, model: str, config: str, envelope: Mapping[str, Any]
-) -> None:
-    """Record one config's enforcement envelope in the machine-local file.
-
-    The envelope sits inside the config's local entry, which must already hold this
-    machine's footprint (``uapplace measure MODEL CONFIG`` first): an envelope without
-    a footprint could not place anything, and writing a config entry here would replace
-    the repo's entry whole. Same validation and atomicity as
-    :func:`write_local_measurement`. Raises :class:`ConfigFileError` naming the entry.
-    """
-    doc = _read_for_update(local_path)
-    entry = ((doc.get("models") or {}).get(model) or {}).get("configs", {}).get(config)
-    where = json_path(("models", model, "configs", config))
-    if not isinstance(entry, dict) or _config_tag(entry) != "measured":
-        raise ConfigFileError(
-            local_path,
-            where,
-            f"no machine-local footprint for {model}/{config}: run `uapplace measure "
-            f"{model} {config}` while it runs, then measure its envelope",
-        )
-    entry["envelope"] = dict(envelope)
-    _replace_local(local_path, doc)
 
 
 ENVELOPE_MAX_AGE_DAYS = 30.0
@@ -864,72 +512,3 @@ def envelope_staleness(
             f"after {max_age_days:g}): re-measure with `uapplace measure --envelope`"
         )
     return None
-
-
-def write_local_device(local_path: Path, device: str, fields: Mapping[str, Any]) -> None:
-    """Override device fields (``reserved_mib``, ``total_mib``, ``uuid`` …) in the local file.
-
-    Field-wise: fields not named keep their value. Same validation and atomicity as
-    :func:`write_local_measurement`.
-    """
-    doc = _read_for_update(local_path)
-    devices = _object_at(doc, ("devices",), local_path)
-    entry = _object_at(devices, ("devices", device), local_path)
-    entry.update(fields)
-    _replace_local(local_path, doc)
-
-
-def _read_for_update(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {"version": 1}
-    raw = read_json(path)
-    if not isinstance(raw, dict):
-        raise ConfigFileError(path, "$", "expected a JSON object at the top level")
-    return raw
-
-
-def _object_at(parent: dict[str, Any], loc: tuple[str, ...], file: Path) -> dict[str, Any]:
-    value = parent.setdefault(loc[-1], {})
-    if not isinstance(value, dict):
-        raise ConfigFileError(file, json_path(loc), "expected a JSON object")
-    return value
-
-
-def _replace_local(path: Path, doc: dict[str, Any]) -> None:
-    _parse(LocalRegistryDoc, doc, path)
-    text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    try:
-        atomic_write_text(path, text)
-    except OSError as exc:
-        raise ConfigFileError(path, "$", f"cannot write: {exc}") from None
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that a crash leaves the old file or the new one.
-
-    Keeps the existing file's permission bits (0644 for a new file).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp_name, mode)
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # The rename is only durable once the directory entry is on disk.
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -39,13 +39,15 @@ from dbus_fast.service import ServiceInterface, dbus_method, dbus_property
 from dbus_fast.service import dbus_signal as _dbus_signal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from uapplace import __version__, jsonfile
+from uapplace import __version__, jsonfile, views
 from uapplace.alerts import Alert
 from uapplace.authz import Action, auto_policy_actions
-from uapplace.controller import Controller, ResidentRow
+from uapplace.controller import Controller
 from uapplace.errors import ERROR_PREFIX, InvalidArgument, NotAuthorized, PlacementFailure
 from uapplace.model import PendingEntry
 from uapplace.paths import INTERFACE
+from uapplace.ports import AuthorizerLike, AutoPolicyStore, ResidentRow, UnitWriter
+from uapplace.validation import first_error_text
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +114,6 @@ class _AutoChangesJson(BaseModel):
     unload_idle_after_secs: int | None = Field(default=None, ge=0)
 
 
-def _first_problem(err: ValidationError) -> str:
-    first = err.errors(include_url=False)[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(value)"
-    return f"{where}: {first['msg']}"
-
-
 def parse_signature(expected: list[str]) -> list[str]:
     """``expected`` (``as``): the approval signature, ``model/config`` per victim.
 
@@ -146,7 +142,7 @@ def parse_auto_changes(text: str) -> dict[str, Any]:
     try:
         parsed = _AutoChangesJson.model_validate(raw)
     except ValidationError as err:
-        raise InvalidArgument(f"policy_json: {_first_problem(err)}") from None
+        raise InvalidArgument(f"policy_json: {first_error_text(err, '(value)')}") from None
     return parsed.model_dump(exclude_none=True)
 
 
@@ -169,10 +165,20 @@ def as_dbus_error(err: Exception) -> DBusError:
 class PlacementInterface(ServiceInterface):
     """``org.uap.Placement1`` at ``/org/uap/Placement1``; reports controller events as signals."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(
+        self,
+        controller: Controller,
+        authorizer: AuthorizerLike,
+        auto_policy: AutoPolicyStore,
+        unit_writer: UnitWriter,
+    ) -> None:
+        """Attach it to the controller's :class:`~uapplace.ports.EventRelay` to have its
+        events as signals (``wiring.build`` does)."""
         super().__init__(INTERFACE)
         self._controller = controller
-        controller.events = self
+        self._authorizer = authorizer
+        self._auto_policy = auto_policy
+        self._unit_writer = unit_writer
 
     # ------------------------------------------------------------- hot path
 
@@ -208,29 +214,29 @@ class PlacementInterface(ServiceInterface):
 
     @dbus_method()
     async def GetState(self) -> DBusStr:
-        return to_json_text(await self._guard(self._controller.state_json()))
+        return to_json_text(await self._guard(views.state_json(self._controller)))
 
     @dbus_method()
     async def ListPending(self) -> DBusStr:
         """Holders and in-flight work are read at call time (the proxy's list, bounded
         by its client timeout), so this awaits; it never blocks the loop."""
-        return to_json_text(await self._guard(self._controller.pending_live_json()))
+        return to_json_text(await self._guard(views.pending_live_json(self._controller)))
 
     @dbus_method()
     async def Preview(self, model: DBusStr, cells: DBusUInt32) -> DBusStr:
-        return to_json_text(await self._guard(self._controller.preview(model, cells)))
+        return to_json_text(await self._guard(views.preview(self._controller, model, cells)))
 
     @dbus_method()
     async def PreviewUnload(self, model: DBusStr) -> DBusStr:
-        return to_json_text(await self._guard(self._controller.preview_unload(model)))
+        return to_json_text(await self._guard(views.preview_unload(self._controller, model)))
 
     @dbus_method()
     async def Validate(self) -> DBusStr:
-        return to_json_text(await self._guard(self._controller.validate()))
+        return to_json_text(await self._guard(views.validate(self._controller)))
 
     @dbus_method()
     async def GetAutoPolicy(self) -> DBusStr:
-        return to_json_text(await self._guard(self._controller.get_auto_policy()))
+        return to_json_text(await self._guard(self._auto_policy.get()))
 
     # ------------------------------------------------------------- writes
 
@@ -241,7 +247,7 @@ class PlacementInterface(ServiceInterface):
         async def run() -> Any:
             signature = parse_signature(expected)
             await self._authorize(Action.APPLY)
-            return await self._controller.apply(placement_id, option, signature)
+            return await self._controller.enforcement.apply(placement_id, option, signature)
 
         return to_json_text(await self._guard(run()))
 
@@ -258,7 +264,7 @@ class PlacementInterface(ServiceInterface):
         async def run() -> Any:
             signature = parse_signature(expected)
             await self._authorize(Action.LOAD)
-            return await self._controller.load_model(model, signature)
+            return await self._controller.enforcement.load(model, signature)
 
         return to_json_text(await self._guard(run()))
 
@@ -267,7 +273,7 @@ class PlacementInterface(ServiceInterface):
         async def run() -> Any:
             signature = parse_signature(expected)
             await self._authorize(Action.UNLOAD)
-            return await self._controller.unload(model, signature)
+            return await self._controller.enforcement.unload(model, signature)
 
         return to_json_text(await self._guard(run()))
 
@@ -275,20 +281,20 @@ class PlacementInterface(ServiceInterface):
     async def WriteUnits(self) -> StringList:
         async def run() -> list[str]:
             await self._authorize(Action.WRITE_UNITS)
-            return await self._controller.write_units()
+            return await self._unit_writer.write_units()
 
         return await self._guard(run())
 
     @dbus_method()
     async def CheckUnits(self) -> StringList:
         """Read only (never gated): which drop-ins ``WriteUnits`` would write or remove."""
-        return await self._guard(self._controller.check_units())
+        return await self._guard(self._unit_writer.check_units())
 
     @dbus_method()
     async def Measure(self, model: DBusStr, config: DBusStr) -> DBusStr:
         async def run() -> Any:
             await self._authorize(Action.MEASURE)
-            return await self._controller.measure(model, config)
+            return await self._controller.enforcement.measure(model, config)
 
         return to_json_text(await self._guard(run()))
 
@@ -298,7 +304,7 @@ class PlacementInterface(ServiceInterface):
 
         async def run() -> Any:
             await self._authorize(Action.MEASURE)
-            return await self._controller.measure_envelope(model, config)
+            return await self._controller.enforcement.measure(model, config, envelope=True)
 
         return to_json_text(await self._guard(run()))
 
@@ -308,7 +314,7 @@ class PlacementInterface(ServiceInterface):
             changes = parse_auto_changes(policy_json)
             for action in sorted(auto_policy_actions(changes)):
                 await self._authorize(action)
-            return await self._controller.set_auto_policy(changes, consent)
+            return await self._auto_policy.set(changes, consent)
 
         return to_json_text(await self._guard(run()))
 
@@ -336,7 +342,7 @@ class PlacementInterface(ServiceInterface):
     async def AcknowledgeAlerts(self, alert_ids: StringList) -> StringList:
         async def run() -> list[str]:
             await self._authorize(Action.ACKNOWLEDGE)
-            return self._controller.acknowledge_alerts(list(alert_ids))
+            return self._controller.alerts.acknowledge(list(alert_ids))
 
         return await self._guard(run())
 
@@ -412,20 +418,15 @@ class PlacementInterface(ServiceInterface):
             raise as_dbus_error(err) from None
 
     async def _authorize(self, action: Action) -> None:
-        authorizer = self._controller.authorizer
-        if authorizer is not None:
-            await authorizer.check(_CALLER.get(), action)
+        await self._authorizer.check(_CALLER.get(), action)
 
     async def _may_release_others(self, caller: str) -> bool:
-        """polkit's yes for ``release-others`` (no same-uid fallback); False without one.
+        """polkit's yes for ``release-others`` (no same-uid fallback).
 
         A refusal comes back as the controller's ``NotAuthorized``, which names the
         holder, rather than polkit's bare answer (that is logged)."""
-        authorizer = self._controller.authorizer
-        if authorizer is None:
-            return False
         try:
-            await authorizer.check_polkit(caller, Action.RELEASE_OTHERS)
+            await self._authorizer.check_polkit(caller, Action.RELEASE_OTHERS)
         except NotAuthorized as err:
             log.info("Release of another connection's hold refused for %s: %s", caller, err)
             return False

@@ -1,4 +1,22 @@
-"""How long each enforcement step may wait: the operator's file, the measured envelope."""
+"""How long each enforcement step may wait: the operator's file, the measured envelope.
+
+Timeouts (:class:`Timeouts`) are **unvalidated defaults** (spec §4.3: "the
+timeouts have an envelope nobody has measured"): conservative guesses until a
+planned switch on the real machine measures the envelope. Override any of them
+in ``$UAP_HOME/enforcement-timeouts.json`` (:meth:`Timeouts.load`). The
+verify-up wait comes from facts where the registry has them
+(:meth:`Timeouts.verify_up_bound`): a config's measured start time beats the
+operator's per-config bound, which beats the global value. Once ``uapplace measure
+--envelope`` has measured a config's envelope (:class:`~uapplace.model.Envelope`),
+drain, verify-free and verify-up derive from it: a documented multiple of the
+measured figure plus a floor (:meth:`Timeouts.drain_bound`,
+:meth:`Timeouts.verify_free_bound`, :meth:`Timeouts.verify_up_bound`,
+:meth:`Timeouts.wake_bound`); each step's detail names the bound it used and why.
+Without an envelope, the bounded defaults.
+
+Read by :mod:`uapplace.wiring` at start-up; used by every enforcement step module,
+the start-up repair and the measurer.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +24,15 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from uapplace.jsonfile import ConfigFileError
+from uapplace.jsonfile import ConfigFileError, read_json
 from uapplace.model import (
     Config,
     Envelope,
 )
-from uapplace.registry import read_json
-
-if TYPE_CHECKING:
-    pass
+from uapplace.validation import first_error
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +101,7 @@ class Timeouts:
     def load(cls, path: Path | None) -> Timeouts:
         """Defaults, overridden by the JSON object in ``path`` when that file exists.
 
-        Raises :class:`~uapplace.registry.ConfigFileError` naming the file and key
+        Raises :class:`~uapplace.jsonfile.ConfigFileError` naming the file and key
         for a bad file (unknown key, not a positive number).
         """
         if path is None or not path.exists():
@@ -96,9 +110,9 @@ class Timeouts:
         try:
             doc = _TimeoutsDoc.model_validate(raw)
         except ValidationError as err:
-            first = err.errors(include_url=False)[0]
-            where = "$" + "".join(f".{part}" for part in first["loc"])
-            raise ConfigFileError(path, where, str(first["msg"])) from None
+            first = first_error(err)
+            where = "$" + first.where(part=".{}", sep="")
+            raise ConfigFileError(path, where, first.msg) from None
         return cls(**doc.model_dump(exclude_none=True))
 
     def to_json(self) -> dict[str, float]:

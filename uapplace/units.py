@@ -26,8 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,9 +35,10 @@ from typing import Any, TypeVar
 
 from pystemd.dbuslib import DBusAddress, apply_signature, path_decode
 
-from uapplace.client import user_bus_address
+from uapplace.busutil import user_bus_address
+from uapplace.jsonfile import atomic_write
 from uapplace.model import Resident
-from uapplace.registry import unit_file_name, valid_unit_name
+from uapplace.unitnames import unit_file_name, valid_unit_name
 
 log = logging.getLogger(__name__)
 
@@ -582,16 +581,7 @@ def _write_inside(root: Path, path: Path, text: str) -> None:
     _check_inside(root, path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
     _check_inside(root, path)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{DROPIN_NAME}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(temp, 0o644)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+    atomic_write(path, text, mode=0o644, sync=False)
 
 
 def unit_of(resident: Resident) -> str | None:

@@ -22,8 +22,8 @@ is forwarded to it. A unit found running at start-up or started by hand is
 verified the same way. An engine that answers but serves the wrong id (or
 breaks ``metricsMustMatch``) is never published: a ``wrong_model`` alert names
 the unit, what it serves and what was expected, and the check is repeated with
-a growing pause (:data:`WRONG_ENGINE_FIRST_S` → :data:`WRONG_ENGINE_MAX_S`),
-because an operator may swap the engine to the right model in place. A resident
+a growing pause (:func:`uapplace.publication.verify_until_ok`), because an
+operator may swap the engine to the right model in place. A resident
 published ``hot`` whose unit reports a new main PID (restarted between two
 signals) goes back to ``warming`` and is verified again.
 
@@ -48,9 +48,10 @@ that unit (several: the first measured one, in registry order). Its device: the
 config's ``measured_on``, else the model's first affinity device, else the
 first GPU in the registry.
 
-:class:`LedgerPublication` is the same verification for a daemon without a
-systemd user manager (no unit sync): restored residents are verified over HTTP
-alone and published ``hot`` when the check passes; nothing else changes them.
+:class:`~uapplace.publication.LedgerPublication` is the same verification for a
+daemon without a systemd user manager (no unit sync): restored residents are
+verified over HTTP alone and published ``hot`` when the check passes; nothing
+else changes them.
 """
 
 from __future__ import annotations
@@ -59,41 +60,32 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Protocol
 
-from uapplace import engines, verify
-from uapplace.alerts import AlertKind, AlertSink, Severity
-from uapplace.capacity import ServicePolicy
+from uapplace import engines
+from uapplace.alerts import AlertKind, Severity
 from uapplace.model import (
     Config,
     DeviceKind,
-    DeviceReading,
     Model,
     Registry,
     Resident,
+    ResidentKey,
     ResidentState,
     iso,
     processes_text,
+    resident_key,
 )
-from uapplace.registry import unit_file_name
-from uapplace.units import UnitError, UnitManager, UnitState
+from uapplace.publication import ResidentSink, verify_until_ok
+from uapplace.unitnames import unit_file_name
+from uapplace.units import UnitError, UnitManager, UnitState, state_text
 
 log = logging.getLogger(__name__)
 
 _UP = frozenset({"active", "reloading"})
 _DOWN = frozenset({"inactive", "failed"})
 _STARTING = frozenset({"activating"})
-
-WRONG_ENGINE_FIRST_S = 1.0
-"""First pause before re-checking an engine that serves the wrong id or metrics."""
-WRONG_ENGINE_MAX_S = 30.0
-"""Longest pause between two re-checks of a wrong engine (doubling from the first)."""
-
-
-ResidentKey = tuple[str, str, str]
-"""``(model, config, device)``."""
 
 
 class EnforcementMarks:
@@ -103,6 +95,17 @@ class EnforcementMarks:
       it ``draining`` (:meth:`overlay`); the run clears its marks when it ends.
     - starting: unit → ``(model, config, device)`` a run is starting, so a unit
       sync can tell which config a unit shared by several configs is running.
+
+    One draining truth: these marks. A resident's published ``draining`` state
+    (what admission and the planner read) is derived from them by :meth:`overlay`,
+    the only code that turns a resident ``draining``: the enforcer publishes its
+    marked victims through it (``enforce_steps.mark_draining``) and the unit sync
+    publishes every rebuilt resident through it. The marks, not ``Resident.state``,
+    are the truth because a resident is a value the unit sync rebuilds from unit
+    states at any time (a new main PID, a restart signal), it cannot say which run
+    marked it, and a run must clear exactly its own marks whatever ends it
+    (:meth:`clear_run`, cancellation included). Code that asks "is this draining?"
+    asks :meth:`is_draining`.
     """
 
     def __init__(self) -> None:
@@ -152,27 +155,6 @@ class EnforcementMarks:
         return frozenset(self._draining)
 
 
-def resident_key(resident: Resident) -> ResidentKey:
-    """``(model, config, device)``: how a resident is named across the program."""
-    return (resident.model, resident.config, resident.device)
-
-
-class ResidentSink(AlertSink, Protocol):
-    """The part of the controller unit sync uses (a subset of ``EnforcementHost``)."""
-
-    def registry(self) -> Registry: ...
-
-    def residents(self) -> Sequence[Resident]: ...
-
-    def put_resident(self, resident: Resident) -> None: ...
-
-    def drop_resident(self, resident: Resident) -> None: ...
-
-    def service_policy(self, model: Model) -> ServicePolicy | None: ...
-
-    async def read_devices(self) -> Mapping[str, DeviceReading]: ...
-
-
 def registry_units(registry: Registry) -> dict[str, list[tuple[Model, Config]]]:
     """``unit.service`` → the (model, config) pairs that run under it, in registry order."""
     out: dict[str, list[tuple[Model, Config]]] = {}
@@ -195,98 +177,6 @@ def default_device(registry: Registry, model: Model, config: Config) -> str | No
     if gpus:
         return gpus[0].key
     return next(iter(registry.devices), None)
-
-
-# --------------------------------------------------------------------------- verification
-
-
-def resident_expectation(host: ResidentSink, resident: Resident) -> verify.Expectation | None:
-    """What ``resident``'s engine must serve; ``None`` when its model left the registry."""
-    registry = host.registry()
-    model = registry.models.get(resident.model)
-    if model is None:
-        return None
-    config = model.configs.get(resident.config)
-    return verify.expectation(model, config, None, host.service_policy(model))
-
-
-async def verify_until_ok(
-    host: ResidentSink,
-    resident: Resident,
-    subject: str,
-    current: Callable[[], Resident | None],
-    *,
-    first_poll_s: float,
-    max_poll_s: float,
-    http_s: float,
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-) -> Resident | None:
-    """Check ``resident``'s engine until it passes; the resident to publish, or ``None``.
-
-    ``current()`` is the resident as it is now (``None`` once it is gone or taken
-    over: the loop ends). While the engine is loading the pause grows from
-    ``first_poll_s`` to ``max_poll_s``; while it serves the wrong id or breaks
-    ``metricsMustMatch`` a ``wrong_model`` alert (subject ``subject``) is raised
-    once per distinct problem and the pause grows from
-    :data:`WRONG_ENGINE_FIRST_S` to :data:`WRONG_ENGINE_MAX_S`.
-    """
-    interval = first_poll_s
-    wrong_interval = WRONG_ENGINE_FIRST_S
-    reported: str | None = None
-    while True:
-        now = current()
-        if now is None:
-            return None
-        if now.endpoint is None:
-            return now  # nothing to probe: the unit's state is all there is (as in verify-up)
-        expect = resident_expectation(host, now)
-        if expect is None:
-            return None
-        verdict = await verify.check(now.endpoint, expect, http_s)
-        if verdict.ok:
-            if reported is not None:
-                log.info("%s now passes verify-up: %s", subject, verdict.detail)
-            return current()
-        if verdict.is_wrong_engine:
-            if verdict.detail != reported:
-                reported = verdict.detail
-                _report_wrong_engine(host, now, subject, expect, verdict)
-            await sleep(wrong_interval)
-            wrong_interval = min(wrong_interval * 2, WRONG_ENGINE_MAX_S)
-            continue
-        await sleep(interval)
-        interval = min(interval * 2, max_poll_s)
-
-
-def _report_wrong_engine(
-    host: ResidentSink,
-    resident: Resident,
-    subject: str,
-    expect: verify.Expectation,
-    verdict: verify.Verdict,
-) -> None:
-    what = (
-        "serves the wrong model"
-        if verdict.outcome is verify.Outcome.WRONG_ID
-        else ("breaks the capacity policy")
-    )
-    host.raise_alert(
-        AlertKind.WRONG_MODEL,
-        Severity.WARNING,
-        subject,
-        f"{subject} {what}: {verdict.detail}; {resident.signature} is never forwarded to "
-        "until it passes verify-up (re-checked with backoff)",
-        {
-            "model": resident.model,
-            "config": resident.config,
-            "device": resident.device,
-            "endpoint": resident.endpoint,
-            "unit": resident.unit,
-            "served": list(verdict.served),
-            "expected": sorted(expect.accepted),
-            "problem": verdict.outcome.value,
-        },
-    )
 
 
 # --------------------------------------------------------------------------- unit sync
@@ -346,12 +236,8 @@ class UnitSync:
     async def resync_units(self) -> None:
         """Read every registry unit's state and follow it (no alerts, no probe)."""
         for unit in registry_units(self.host.registry()):
-            try:
-                state = await self.units.state(unit)
-            except UnitError as err:
-                log.warning("cannot read the state of %s: %s", unit, err)
-                continue
-            if not self._closed:
+            state = await self._read_state(unit)
+            if state is not None and not self._closed:
                 self.follow(unit, state)
 
     async def sync_all(self) -> None:
@@ -359,16 +245,21 @@ class UnitSync:
         residents no running registry unit backs, then compare with the probe."""
         states: dict[str, UnitState] = {}
         for unit in registry_units(self.host.registry()):
-            try:
-                state = await self.units.state(unit)
-            except UnitError as err:
-                log.warning("cannot read the state of %s: %s", unit, err)
-                continue
-            states[unit] = state
+            state = await self._read_state(unit)
+            if state is not None:
+                states[unit] = state
         self._drop_unbacked(states)
         for unit, state in states.items():
             self.follow(unit, state)
         await self._compare_probe()
+
+    async def _read_state(self, unit: str) -> UnitState | None:
+        """``unit``'s state, or ``None`` (logged) when the manager cannot say."""
+        try:
+            return await self.units.state(unit)
+        except UnitError as err:
+            log.warning("cannot read the state of %s: %s", unit, err)
+            return None
 
     async def close(self) -> None:
         """Stop every verification watcher (the change listener becomes a no-op)."""
@@ -398,13 +289,13 @@ class UnitSync:
                 and states[unit].active_state in _DOWN
                 and not self.marks.is_draining(resident_key(resident))  # else a run reports
             ):
-                state = verify.state_text(states[unit])
+                state = state_text(states[unit])
                 self._drop_with_alert(resident, f"its unit {unit} is {state}")
 
     def _drop_with_alert(self, resident: Resident, why: str) -> None:
         self.host.drop_resident(resident)
         subject = unit_file_name(resident.unit) if resident.unit else resident.signature
-        self.host.raise_alert(
+        self.host.alert_board.raise_alert(
             AlertKind.RESIDENT_DROPPED,
             Severity.WARNING,
             subject,
@@ -440,7 +331,7 @@ class UnitSync:
             allowance = devices[key].reserved_mib if key in devices else 0
             if sum(p.used_mib for p in strangers) > allowance:
                 rows = processes_text(strangers)
-                self.host.raise_alert(
+                self.host.alert_board.raise_alert(
                     AlertKind.PROBE_MISMATCH,
                     Severity.WARNING,
                     key,
@@ -472,7 +363,7 @@ class UnitSync:
             self._stop_watching(unit)
             for gone in self._residents_of(unit):
                 if active == "failed" and not self.marks.is_draining(resident_key(gone)):
-                    self._drop_with_alert(gone, f"its unit {unit} is {verify.state_text(state)}")
+                    self._drop_with_alert(gone, f"its unit {unit} is {state_text(state)}")
                 else:
                     self.host.drop_resident(gone)
             return
@@ -512,7 +403,7 @@ class UnitSync:
         expected = self.marks.expected_for_unit(unit)
         known = self._residents_of(unit)
         if expected is not None:
-            match = next((r for r in known if (r.model, r.config, r.device) == expected), None)
+            match = next((r for r in known if resident_key(r) == expected), None)
             if match is not None:
                 return _with_pid(match, state)
             return self._new_resident(registry, unit, state, *expected)
@@ -608,62 +499,3 @@ def _with_pid(resident: Resident, state: UnitState) -> Resident:
     if resident.state is ResidentState.HOT and resident.main_pid is not None:
         return replace(resident, main_pid=pid, state=ResidentState.WARMING)
     return replace(resident, main_pid=pid)
-
-
-# --------------------------------------------------------------------------- no user manager
-
-
-class LedgerPublication:
-    """Verify restored residents over HTTP where no user manager (no unit sync) runs.
-
-    Each resident that is not ``hot`` is checked like a unit's engine
-    (:func:`verify_until_ok`) and published ``hot`` when it passes; one that
-    never passes stays ``warming`` and is never forwarded to. Without systemd
-    there is no unit to reconcile against, so nothing is dropped here.
-    """
-
-    def __init__(
-        self,
-        host: ResidentSink,
-        *,
-        first_poll_s: float = 0.05,
-        max_poll_s: float = 1.0,
-        http_s: float = engines.PROBE_TIMEOUT_S,
-    ) -> None:
-        self.host = host
-        self.first_poll_s = first_poll_s
-        self.max_poll_s = max_poll_s
-        self.http_s = http_s
-        self._tasks: list[asyncio.Task[None]] = []
-
-    def start(self) -> None:
-        for resident in self.host.residents():
-            if resident.state in (ResidentState.WARMING, ResidentState.DRAINING):
-                name = f"verify-{resident.signature}"
-                self._tasks.append(asyncio.create_task(self._until_verified(resident), name=name))
-
-    async def _until_verified(self, resident: Resident) -> None:
-        key = resident_key(resident)
-
-        def current() -> Resident | None:
-            return next((r for r in self.host.residents() if resident_key(r) == key), None)
-
-        verified = await verify_until_ok(
-            self.host,
-            resident,
-            resident.unit or resident.signature,
-            current,
-            first_poll_s=self.first_poll_s,
-            max_poll_s=self.max_poll_s,
-            http_s=self.http_s,
-        )
-        if verified is not None and verified.state is not ResidentState.HOT:
-            self.host.put_resident(replace(verified, state=ResidentState.HOT))
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []

@@ -11,11 +11,12 @@ forwards to) only after this check passed for it in this daemon's life:
 4. the capacity policy's ``metricsMustMatch`` for the model's service holds
    against ``GET /metrics``.
 
-Enforcement (:mod:`uapplace.enforce`: ``verify-up`` and the rollback's
+Enforcement (:mod:`uapplace.enforce_steps`: ``verify-up``; :mod:`uapplace.rollback`:
 ``rollback-verify``) and the unit sync (:mod:`uapplace.unitsync`: units found
 running at start-up, started by hand, residents restored from the ledger) both
 call these functions, so the two paths cannot disagree about what "verified"
-means.
+means. Every engine route is read through an :class:`~uapplace.seams.EngineProbe`
+(the real HTTP one by default; the unit tier passes a fake).
 
 :func:`check` classifies a failure: ``unhealthy`` (no answer, 503, a route not
 ready: keep polling), ``wrong_id`` (``/v1/models`` answered, without any
@@ -33,12 +34,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
 
 from uapplace import engines
 from uapplace.capacity import ServicePolicy
 from uapplace.model import Config, Model
-from uapplace.units import UnitState
+from uapplace.seams import HTTP_ENGINES, EngineProbe
+from uapplace.units import UnitState, state_text
 
 DOWN_STATES = frozenset({"failed", "inactive"})
 """Unit states that end any wait for the unit to turn healthy."""
@@ -107,46 +108,16 @@ class Verdict:
         return self.outcome in (Outcome.WRONG_ID, Outcome.METRICS)
 
 
-class Probe(Protocol):
-    """The engine endpoints :func:`check` reads (the start-up repair passes its own,
-    faked in unit tests); :data:`HTTP` is the real one."""
-
-    async def health(self, endpoint: str, timeout_s: float) -> bool: ...
-
-    async def served_ids(self, endpoint: str, timeout_s: float) -> list[str]: ...
-
-    async def metrics(self, endpoint: str, timeout_s: float) -> dict[str, float | str]: ...
-
-    async def is_sleeping(self, endpoint: str, timeout_s: float) -> bool | None: ...
-
-
-class HttpProbe:
-    """:class:`Probe` over :mod:`uapplace.engines` (real HTTP)."""
-
-    async def health(self, endpoint: str, timeout_s: float) -> bool:
-        return await engines.health(endpoint, timeout_s=timeout_s)
-
-    async def served_ids(self, endpoint: str, timeout_s: float) -> list[str]:
-        return await engines.served_ids(endpoint, timeout_s=timeout_s)
-
-    async def metrics(self, endpoint: str, timeout_s: float) -> dict[str, float | str]:
-        return await engines.metrics(endpoint, timeout_s=timeout_s)
-
-    async def is_sleeping(self, endpoint: str, timeout_s: float) -> bool | None:
-        return await engines.is_sleeping(endpoint, timeout_s)
-
-
-HTTP = HttpProbe()
-
-
-async def served_problem(endpoint: str, expect: Expectation, http_s: float) -> str | None:
+async def served_problem(
+    endpoint: str, expect: Expectation, http_s: float, probe: EngineProbe = HTTP_ENGINES
+) -> str | None:
     """``/v1/models`` must list an accepted id; ``None`` when it does, else why not."""
-    problem, _ids = await _served(endpoint, expect, http_s)
+    problem, _ids = await _served(endpoint, expect, http_s, probe)
     return problem
 
 
 async def _served(
-    endpoint: str, expect: Expectation, http_s: float, probe: Probe = HTTP
+    endpoint: str, expect: Expectation, http_s: float, probe: EngineProbe = HTTP_ENGINES
 ) -> tuple[str | None, tuple[str, ...] | None]:
     """(problem, served ids); served is ``None`` when ``/v1/models`` gave no usable list."""
     try:
@@ -162,7 +133,7 @@ async def _served(
 
 
 async def metrics_problem(
-    policy: ServicePolicy, endpoint: str, http_s: float, probe: Probe = HTTP
+    policy: ServicePolicy, endpoint: str, http_s: float, probe: EngineProbe = HTTP_ENGINES
 ) -> str | None:
     """The capacity policy's ``metricsMustMatch`` against the engine's ``/metrics``."""
     if not policy.metrics_must_match:
@@ -189,7 +160,9 @@ def metric_matches(want: str | int | float, seen: str | float | None) -> bool:
     return str(want).strip().lower() == str(seen).strip().lower()
 
 
-async def check(endpoint: str, expect: Expectation, http_s: float, probe: Probe = HTTP) -> Verdict:
+async def check(
+    endpoint: str, expect: Expectation, http_s: float, probe: EngineProbe = HTTP_ENGINES
+) -> Verdict:
     """One full look at a running engine: health, served id, metrics (in that order)."""
     if not await probe.health(endpoint, http_s):
         return Verdict(Outcome.UNHEALTHY, f"{endpoint}/health is not 200 yet")
@@ -217,87 +190,63 @@ async def check(endpoint: str, expect: Expectation, http_s: float, probe: Probe 
     return Verdict(Outcome.OK, f"{endpoint} healthy, serves {expect.requested}{checked}", served)
 
 
-async def wait_up(
-    unit: str,
-    endpoint: str | None,
-    limit: float,
-    *,
-    changed: asyncio.Event,
-    fresh_state: Callable[[], Awaitable[UnitState | None]],
-    cached_state: Callable[[], UnitState | None],
-    first_poll_s: float,
-    max_poll_s: float,
-    http_s: float,
-) -> str | None:
-    """Wait until ``unit`` is active and its ``/health`` is 200; ``None`` when it is,
-    else why not. A unit that goes down ends the wait at once.
+@dataclass(frozen=True)
+class UnitWatch:
+    """How :func:`wait_up` follows one unit and its engine while it comes up.
 
-    ``changed`` is set by whoever follows the unit's state (woken early on a
-    change); ``cached_state`` is that follower's last state, ``fresh_state`` a
-    read from the manager. Polls start at ``first_poll_s`` and grow
-    ×:data:`HEALTH_BACKOFF` up to ``max_poll_s``.
+    ``changed`` is set by whoever follows the unit's state (the wait wakes early on
+    a change); ``cached_state`` is that follower's last state, ``fresh_state`` a read
+    from the manager. Polls start at ``first_poll_s`` and grow ×:data:`HEALTH_BACKOFF`
+    up to ``max_poll_s``; each HTTP call is bounded by ``http_s`` and goes through
+    ``probe``.
     """
+
+    changed: asyncio.Event
+    fresh_state: Callable[[], Awaitable[UnitState | None]]
+    cached_state: Callable[[], UnitState | None]
+    first_poll_s: float
+    max_poll_s: float
+    http_s: float
+    probe: EngineProbe = HTTP_ENGINES
+
+
+async def wait_up(unit: str, endpoint: str | None, limit: float, watch: UnitWatch) -> str | None:
+    """Wait until ``unit`` is active and its ``/health`` is 200; ``None`` when it is,
+    else why not. A unit that goes down ends the wait at once."""
     deadline = time.monotonic() + limit
-    interval = first_poll_s
-    state = await fresh_state()
+    interval = watch.first_poll_s
+    state = await watch.fresh_state()
     while True:
-        changed.clear()
+        watch.changed.clear()
         if state is not None and state.active_state in DOWN_STATES:
             return f"{unit} went {state_text(state)} while loading"
         if state is not None and state.active_state == "active":
             if endpoint is None:
                 return None
             remaining = deadline - time.monotonic()
-            probe_s = max(0.05, min(http_s, remaining))
-            if await engines.health(endpoint, timeout_s=probe_s):
+            probe_s = max(0.05, min(watch.http_s, remaining))
+            if await watch.probe.health(endpoint, probe_s):
                 return None
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             text = state_text(state) if state is not None else "unknown"
             return f"{unit} not healthy after {limit:g}s (unit {text})"
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), min(interval, remaining))
-        interval = min(interval * HEALTH_BACKOFF, max_poll_s)
-        state = cached_state() or await fresh_state()
+            await asyncio.wait_for(watch.changed.wait(), min(interval, remaining))
+        interval = min(interval * HEALTH_BACKOFF, watch.max_poll_s)
+        state = watch.cached_state() or await watch.fresh_state()
 
 
 async def verify_up(
-    unit: str,
-    endpoint: str | None,
-    expect: Expectation,
-    limit: float,
-    *,
-    changed: asyncio.Event,
-    fresh_state: Callable[[], Awaitable[UnitState | None]],
-    cached_state: Callable[[], UnitState | None],
-    first_poll_s: float,
-    max_poll_s: float,
-    http_s: float,
+    unit: str, endpoint: str | None, expect: Expectation, limit: float, watch: UnitWatch
 ) -> Verdict:
     """:func:`wait_up`, then :func:`check` once: the whole verify-up of a run."""
-    why = await wait_up(
-        unit,
-        endpoint,
-        limit,
-        changed=changed,
-        fresh_state=fresh_state,
-        cached_state=cached_state,
-        first_poll_s=first_poll_s,
-        max_poll_s=max_poll_s,
-        http_s=http_s,
-    )
+    why = await wait_up(unit, endpoint, limit, watch)
     if why is not None:
         return Verdict(Outcome.UNHEALTHY, why)
     if endpoint is None:
         return Verdict(Outcome.OK, f"{unit} active; no endpoint in the registry to probe")
-    verdict = await check(endpoint, expect, http_s)
+    verdict = await check(endpoint, expect, watch.http_s, watch.probe)
     if verdict.ok:
         return Verdict(Outcome.OK, f"{unit} active, {verdict.detail}", verdict.served)
     return verdict
-
-
-def state_text(state: UnitState) -> str:
-    text = f"{state.active_state}/{state.sub_state}"
-    if state.result and state.result != "success":
-        text += f" (result {state.result})"
-    return text

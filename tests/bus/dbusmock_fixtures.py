@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import dbus
 import dbus.bus
 import pytest
 from dbusmock.mockobject import MOCK_IFACE, load_module

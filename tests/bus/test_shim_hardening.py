@@ -37,7 +37,7 @@ from tests.bus.shim_fixtures import (
     start_shim,
     without_guid,
 )
-from uapplace.shim import ROUTES
+from uapplace.shim.routes import ROUTES
 
 pytestmark = pytest.mark.bus
 

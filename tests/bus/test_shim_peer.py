@@ -36,11 +36,11 @@ from tests.bus.conftest import (
 )
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.bus.shim_fixtures import SEEDED_LEDGER, ShimProcess, request, start_shim, without_guid
-from uapplace import shim as shim_module
-from uapplace.metrics import ShimMetrics
 from uapplace.paths import BUS_NAME
 from uapplace.peer import PeerListener
-from uapplace.shim import BusGateway
+from uapplace.shim import gateway as gateway_module
+from uapplace.shim.gateway import BusGateway
+from uapplace.shim.metrics import ShimMetrics
 
 pytestmark = pytest.mark.bus
 
@@ -127,7 +127,7 @@ def test_a_listener_that_is_not_the_daemon_is_not_trusted(tmp_path: Path) -> Non
         impostor_calls: list[str] = []
 
         def impostor(
-            model: str, client: str, session: str, cells: int
+            model: str, client: str, session: str, cells: int, deadline_us: int = 0
         ) -> tuple[str, str, str, str]:
             impostor_calls.append(client)
             return ("forward", "gpu0:http://impostor.invalid", "", "")
@@ -178,7 +178,9 @@ class FakeOwner:
         self.cut_next = False
         self.bus: MessageBus | None = None
 
-    def peer_answer(self, model: str, client: str, session: str, cells: int) -> Decision:
+    def peer_answer(
+        self, model: str, client: str, session: str, cells: int, deadline_us: int = 0
+    ) -> Decision:
         if self.cut_next:
             self.cut_next = False
             self.listener.drop_peers()
@@ -224,7 +226,7 @@ async def test_the_gateway_falls_back_to_the_bus_and_comes_back(
     tmp_path: Path, short_runtime: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A peer link cut mid-call: that call is answered over the bus; the next one re-links."""
-    monkeypatch.setattr(shim_module, "PEER_RETRY_S", 0.0)
+    monkeypatch.setattr(gateway_module, "PEER_RETRY_S", 0.0)
     owner = FakeOwner(short_runtime / "uapplace" / "bus")
     try:
         with private_bus("session", tmp_path) as address:

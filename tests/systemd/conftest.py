@@ -18,7 +18,7 @@ import secrets
 import shlex
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +58,7 @@ def user_manager() -> Iterator[ContainedUserManager]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
-) -> Iterator[pytest.TestReport]:
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """On a failure, attach the tail of the manager's log (its units' output included)."""
     report: pytest.TestReport = yield
     manager = getattr(item, "funcargs", {}).get("user_manager")

@@ -37,7 +37,7 @@ from tests.bus.shim_fixtures import ShimProcess, start_shim
 from tests.systemd.conftest import EngineUnit, UnitFiles
 from tests.systemd.placement_world import ALPHA_MIB, BETA_MIB, FAST, POLICY, registry_json
 from uapplace.paths import BUS_NAME
-from uapplace.sim import gateproxy
+from uapplace.sim import gateproxy, serving
 from uapplace.sim.gateproxy import GateProxy
 from uapplace.sim.gpu import SimGpu
 from uapplace.units import UnitManager
@@ -143,7 +143,7 @@ async def live_world(
     single-upstream mode. ``mibs``: alpha's and beta's footprints (registry and claim).
     """
     # The proxy binds first, so the free ports picked for the engines cannot be its.
-    proxy_sock = gateproxy.bind_loopback()
+    proxy_sock = serving.bind_loopback()
     daemon: DaemonProcess | None = None
     shim: ShimProcess | None = None
     runner = None
@@ -167,7 +167,7 @@ async def live_world(
         uap.home.mkdir(parents=True, exist_ok=True)
         timeouts = uap.home / "enforcement-timeouts.json"
         timeouts.write_text(json.dumps(FAST.to_json()), encoding="utf-8")
-        uap.env["UAP_PROXY_URL"] = gateproxy.url_of(proxy_sock)
+        uap.env["UAP_PROXY_URL"] = serving.url_of(proxy_sock)
         uap.env["PROXY_AUTH_TOKEN"] = PROXY_TOKEN
         started = await units.start_unit(alpha.name, GUARD_S)
         assert started.ok, started

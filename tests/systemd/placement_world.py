@@ -26,12 +26,15 @@ from aiohttp import web
 
 from tests.systemd.conftest import EngineUnit, UnitFiles
 from uapplace.alerts import Alert
-from uapplace.controller import Controller, ProxyHolders, ResidentRow
+from uapplace.controller import Controller
+from uapplace.dropins import no_manager_to_reload
 from uapplace.enforce import Enforcer
 from uapplace.enforce_host import ControllerHost
 from uapplace.engines import ProxyClient
+from uapplace.holds import ProxyHolders
 from uapplace.model import PendingEntry, Resident
 from uapplace.paths import Paths
+from uapplace.ports import ResidentRow
 from uapplace.registry import local_measurements
 from uapplace.sim import proxy as sim_proxy
 from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
@@ -263,7 +266,10 @@ async def build_world(
     timeouts: Timeouts = FAST,
     alpha_mib: int = ALPHA_MIB,
     beta_mib: int = BETA_MIB,
+    unit_dir: Path | None = None,
 ) -> World:
+    """``unit_dir``: the user manager's unit directory; the controller's ``Conflicts=``
+    drop-ins go there and are followed by a user-manager reload (as in the daemon)."""
     orphan_pidfile = tmp_path / "orphan.pid"
     # The proxy binds first, so the free ports picked for the engines cannot be its.
     proxy = sim_proxy.FakeProxy()
@@ -307,15 +313,25 @@ async def build_world(
                 "UAPPLACE_CONFIG_DIR": str(config_dir),
                 "UAPPLACE_SIM_GPU": str(sim.path),
                 "XDG_RUNTIME_DIR": str(tmp_path / "run"),
-                "XDG_CONFIG_HOME": str(tmp_path / "xdg-config"),
+                "XDG_CONFIG_HOME": str(
+                    unit_dir.parent.parent if unit_dir is not None else tmp_path / "xdg-config"
+                ),
                 "UAP_PROXY_URL": proxy_url,
             }
         )
         events = Recorder()
-        controller = Controller.open(paths)
-        controller.events = events
         client = ProxyClient(paths.proxy_url, None)
-        controller.proxy = ProxyHolders(client)
+
+        async def reload_units() -> bool:
+            await units.reload()
+            return True
+
+        controller = Controller.open(
+            paths,
+            events=events,
+            proxy=ProxyHolders(client),
+            reload_units=reload_units if unit_dir is not None else no_manager_to_reload,
+        )
         await controller.start()
         # Wired exactly as the daemon wires it; the test owns the UnitManager.
         stack = await attach_enforcement(controller, paths, client, units=units, timeouts=timeouts)

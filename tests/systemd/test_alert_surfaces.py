@@ -29,7 +29,7 @@ from tests.bus.conftest import run_cli
 from tests.bus.dbusmock_fixtures import MockService, spawn_template
 from tests.systemd.conftest import UnitFiles
 from tests.systemd.live_world import GUARD_S, LiveWorld, live_world
-from uapplace.client import bus_daemon_message
+from uapplace.busutil import bus_daemon_message
 from uapplace.notify import URGENCY_CRITICAL
 from uapplace.paths import INTERFACE
 from uapplace.sim.gpu import SimGpu, sim_uuid

@@ -22,10 +22,10 @@ import pytest
 from tests.systemd.conftest import UnitFiles
 from tests.systemd.placement_world import FAST, GUARD_S, World, build_world, close_world
 from uapplace.admission import new_placement_id
-from uapplace.auto import COOLDOWN_S, AutoRunner, PolicyStore, enforcement_envelope_s
+from uapplace.auto import COOLDOWN_S, AutoRunner, enforcement_envelope_s
+from uapplace.autopolicy import PolicyStore
 from uapplace.idle import IdleSweep
 from uapplace.model import ParkReason, PendingEntry, Plan, PreviewReason
-from uapplace.planner import plan
 from uapplace.sim.gpu import SimGpu
 from uapplace.units import UnitManager
 
@@ -59,21 +59,13 @@ class Consent:
 
 def wire(world: World) -> Consent:
     controller = world.controller
-
-    def registry() -> Any:
-        return controller.load.registry
-
-    async def replan(entry: PendingEntry) -> Plan:
-        inp, _clients = await controller.plan_input()
-        return await asyncio.to_thread(plan, inp, entry.requested_model, entry.cells)
-
+    registry = controller.config.registry
     store = PolicyStore(world.paths.auto_policy, registry)
     runner = AutoRunner(
         controller,
         world.enforcer,
         store,
         registry,
-        replan,
         envelope_s=enforcement_envelope_s(FAST),
     )
     store.describe_runs = runner.status

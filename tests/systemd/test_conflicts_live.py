@@ -23,7 +23,6 @@ import pytest
 
 from tests.systemd.conftest import EngineUnit, UnitFiles
 from tests.systemd.placement_world import GUARD_S, MEASURED_AT, World, build_world, close_world
-from uapplace.controller import UnitDropins
 from uapplace.model import OptionKind
 from uapplace.registry import local_measurements
 from uapplace.sim.gpu import SimGpu
@@ -50,8 +49,15 @@ async def machine(
     unit_files: UnitFiles,
     sim_gpu: SimGpu,
 ) -> AsyncIterator[Machine]:
+    # Drop-ins go where this user manager reads units (the daemon's own XDG dir).
     world = await build_world(
-        tmp_path, units, unit_files, sim_gpu, alpha_mib=ALPHA_MIB, beta_mib=BETA_MIB
+        tmp_path,
+        units,
+        unit_files,
+        sim_gpu,
+        alpha_mib=ALPHA_MIB,
+        beta_mib=BETA_MIB,
+        unit_dir=user_manager.unit_dir,
     )
     try:
         gamma = unit_files.engine(
@@ -59,13 +65,8 @@ async def machine(
         )
         await units.reload()
         add_gamma(world, gamma)
-        # Drop-ins go where this user manager reads units (the daemon's own XDG dir).
         controller = world.controller
-        controller.paths = dataclasses.replace(
-            controller.paths, config_home=user_manager.unit_dir.parent.parent
-        )
         assert controller.paths.user_unit_dir == user_manager.unit_dir
-        controller.unit_writer = UnitDropins(controller, units.reload)
         assert await controller.reload()
         yield Machine(world, gamma, user_manager.unit_dir)
     finally:
@@ -125,7 +126,7 @@ async def test_the_graph_lets_fitting_models_share_and_systemd_stops_only_across
     alpha, beta = world.alpha.name, world.beta.name
     controller = world.controller
 
-    written = await controller.write_units()
+    written = await controller.collaborators.unit_writer.write_units()
 
     assert sorted(Path(p).parent.name for p in written) == sorted(
         f"{unit_name(u)}.d" for u in (alpha, beta, gamma.name)
@@ -133,7 +134,7 @@ async def test_the_graph_lets_fitting_models_share_and_systemd_stops_only_across
     assert conflicts_of(unit_dir, alpha) == {unit_name(gamma.name)}
     assert conflicts_of(unit_dir, beta) == {unit_name(gamma.name)}
     assert conflicts_of(unit_dir, gamma.name) == {unit_name(alpha), unit_name(beta)}
-    assert await controller.check_units() == []
+    assert await controller.collaborators.unit_writer.check_units() == []
 
     # alpha resident; beta fits alongside: both run, systemd stops nothing.
     async with asyncio.timeout(GUARD_S):
@@ -142,7 +143,7 @@ async def test_the_graph_lets_fitting_models_share_and_systemd_stops_only_across
     assert entry.options[0].kind is OptionKind.LOAD_ALONGSIDE
     mark = len(world.timeline.changes)
     async with asyncio.timeout(GUARD_S):
-        result = await controller.apply(entry.id, 1, [])
+        result = await controller.enforcement.apply(entry.id, 1, [])
     assert result["ok"], result
     async with asyncio.timeout(GUARD_S):
         await world.events.until(lambda: world.state_of("beta") == "hot")
@@ -179,13 +180,13 @@ async def test_a_registry_change_regenerates_the_graph_and_check_reports_stalene
 ) -> None:
     world, gamma, unit_dir = machine.world, machine.gamma, machine.unit_dir
     controller = world.controller
-    await controller.write_units()
+    await controller.collaborators.unit_writer.write_units()
     gamma_dropin = unit_dir / f"{unit_name(gamma.name)}.d" / DROPIN_NAME
     assert gamma_dropin.exists()
 
     # A hand edit makes the files stale: --check names them and touches nothing.
     gamma_dropin.write_text("[Unit]\nConflicts=\n", encoding="utf-8")
-    assert await controller.check_units() == [str(gamma_dropin.resolve())]
+    assert await controller.collaborators.unit_writer.check_units() == [str(gamma_dropin.resolve())]
     assert gamma_dropin.read_text(encoding="utf-8") == "[Unit]\nConflicts=\n"
 
     # gamma re-measured smaller: it now fits with both, and the reload rewrites the graph.
@@ -195,4 +196,4 @@ async def test_a_registry_change_regenerates_the_graph_and_check_reports_stalene
     assert await controller.reload()
 
     assert not list(unit_dir.glob(f"*.d/{DROPIN_NAME}"))
-    assert await controller.check_units() == []
+    assert await controller.collaborators.unit_writer.check_units() == []

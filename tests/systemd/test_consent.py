@@ -28,7 +28,7 @@ from tests.bus.conftest import run_cli
 from tests.systemd.conftest import UnitFiles
 from tests.systemd.live_world import LiveWorld, live_world
 from uapplace.client import PlacementClient, PlacementError
-from uapplace.shim import MISSING_SIGNATURE
+from uapplace.shim.bodies import MISSING_SIGNATURE
 from uapplace.sim.usermanager import ContainedUserManager
 from uapplace.units import UnitManager
 
@@ -130,8 +130,8 @@ async def test_load_that_evicts_needs_a_yes_and_the_signature_it_showed(world: L
     token = world.shim.token
     status, body = await world.shim_post("/api/placement/load", {"model": "beta"}, token)
     assert status == 409 and body["error"].startswith(MISSING_SIGNATURE), body
-    stale = {"model": "beta", "expected_victims": [{"model": "alpha", "config": "a0"}]}
-    status, body = await world.shim_post("/api/placement/load", stale, token)
+    stale_body = {"model": "beta", "expected_victims": [{"model": "alpha", "config": "a0"}]}
+    status, body = await world.shim_post("/api/placement/load", stale_body, token)
     assert status == 409 and "victim set changed" in body["error"], body
     await assert_untouched(world)
 

@@ -38,7 +38,8 @@ from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
 from tests.systemd.conftest import EngineUnit, UnitFiles
 from tests.systemd.placement_world import FAST, POLICY, UnitTimeline, registry_json
 from uapplace import engines
-from uapplace.client import PlacementClient, PlacementError, bus_daemon_message
+from uapplace.busutil import bus_daemon_message
+from uapplace.client import PlacementClient, PlacementError
 from uapplace.paths import INTERFACE
 from uapplace.sim import proxy as sim_proxy
 from uapplace.sim.gpu import SimGpu

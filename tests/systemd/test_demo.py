@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from uapplace.demo import UNIT_PREFIX
+from uapplace.sandbox import UNIT_PREFIX
 from uapplace.sim.usermanager import CGROUP_ROOT, ContainedUserManager
 
 pytestmark = pytest.mark.systemd

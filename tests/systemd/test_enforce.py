@@ -28,8 +28,8 @@ from tests.systemd.placement_world import (
     close_world,
 )
 from uapplace import engines
-from uapplace.controller import VictimRef
 from uapplace.errors import Busy, Drifted
+from uapplace.ports import VictimRef
 from uapplace.sim.gpu import SimGpu, sim_uuid
 from uapplace.timeouts import Timeouts
 from uapplace.units import UnitManager
@@ -106,7 +106,7 @@ async def test_displace_swap_stops_alpha_and_serves_beta(world: World) -> None:
     assert [o.kind.value for o in entry.options] == ["displace"]
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 1, ALPHA_VICTIM)
+        result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
 
     assert result["ok"] is True, result
     assert result["placementId"] == entry.id
@@ -140,7 +140,7 @@ async def test_a_failed_proxy_refresh_is_a_failed_step_not_a_failed_swap(world: 
     entry = await world.park("beta")
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 1, ALPHA_VICTIM)
+        result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
 
     assert result["ok"] is True
     refresh = next(s for s in result["steps"] if s["name"] == "refresh-proxy")
@@ -182,7 +182,7 @@ async def test_a_failed_new_backend_is_rolled_back_and_alpha_is_healthy_again(
     entry = await world.park("beta")
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 1, ALPHA_VICTIM)
+        result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
 
     assert result["ok"] is False and result["rolledBack"] is True, result
     failed = [s for s in result["steps"] if not s["ok"]]
@@ -225,7 +225,7 @@ async def test_an_orphan_holding_vram_is_named_and_the_swap_rolled_back(
         entry = await world.park("beta")
 
         async with asyncio.timeout(GUARD_S):
-            result = await world.controller.apply(entry.id, 1, ALPHA_VICTIM)
+            result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
 
         assert result["ok"] is False and result["rolledBack"] is True, result
         verify = next(s for s in result["steps"] if s["name"] == "verify-free")
@@ -254,7 +254,7 @@ async def test_a_stop_job_that_fails_rolls_back_without_starting_beta(world: Wor
     entry = await world.park("beta")
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 1, ALPHA_VICTIM)
+        result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
 
     assert result["ok"] is False and result["rolledBack"] is True, result
     stop = next(s for s in result["steps"] if s["name"] == "stop")
@@ -274,7 +274,7 @@ async def test_a_victim_that_cannot_come_back_is_reported_not_retried(world: Wor
     entry = await world.park("beta")
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 1, ALPHA_VICTIM)
+        result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
 
     assert result["ok"] is False and result["rolledBack"] is False, result
     assert "; ROLLBACK INCOMPLETE: " in result["error"]
@@ -297,7 +297,7 @@ async def test_drain_waits_for_in_flight_work_and_admit_stops_forwarding(world: 
     world.proxy.set_inflight(target, "claude-code")
     entry = await world.park("beta")
 
-    run = asyncio.create_task(world.controller.apply(entry.id, 1, ALPHA_VICTIM))
+    run = asyncio.create_task(world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM))
     try:
         await world.events.until(lambda: world.state_of("alpha") == "draining")
         calls_before = world.proxy.inflight_calls
@@ -334,7 +334,7 @@ async def test_drain_timeout_rolls_back_without_cutting_anyone_off(
     seen_before = len(world.timeline.changes)
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 1, ALPHA_VICTIM)
+        result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
 
     assert result["ok"] is False and result["rolledBack"] is True, result
     assert step_names(result) == [
@@ -362,7 +362,7 @@ async def test_a_changed_victim_set_is_refused_before_anything_is_touched(world:
     with pytest.raises(
         Drifted, match=r"victim set changed: approved \[gamma/g1\], now \[alpha/a1\]"
     ):
-        await world.controller.apply(entry.id, 1, [VictimRef("gamma", "g1")])
+        await world.controller.enforcement.apply(entry.id, 1, [VictimRef("gamma", "g1")])
 
     assert [(s[1], s[2]) for s in world.events.steps] == [("revalidate", False)]
     assert world.state_of("alpha") == "hot"
@@ -372,7 +372,7 @@ async def test_a_changed_victim_set_is_refused_before_anything_is_touched(world:
 
 async def test_unload_drains_stops_and_frees_the_device(world: World) -> None:
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.unload("alpha", ["alpha/a1"])
+        result = await world.controller.enforcement.unload("alpha", ["alpha/a1"])
 
     assert result["ok"] is True, result
     assert step_names(result) == [
@@ -392,9 +392,9 @@ async def test_unload_drains_stops_and_frees_the_device(world: World) -> None:
 
 async def test_load_with_room_starts_alongside_without_victims(world: World) -> None:
     async with asyncio.timeout(GUARD_S):
-        unloaded = await world.controller.unload("alpha", ["alpha/a1"])
+        unloaded = await world.controller.enforcement.unload("alpha", ["alpha/a1"])
         assert unloaded["ok"], unloaded
-        result = await world.controller.load_model("alpha", [])
+        result = await world.controller.enforcement.load("alpha", [])
 
     assert result["ok"] is True, result
     details: Sequence[str] = [s["detail"] for s in result["steps"][2:5]]

@@ -109,8 +109,7 @@ async def test_a_failed_first_sync_leaves_the_controller_unwired_and_the_bus_cle
         await attach_enforcement(controller, controller.paths, None, timeouts=Timeouts())
 
     assert failing_state, "the first sync never read a unit: the failure was not exercised"
-    assert controller.enforcer is None
-    assert controller.measurer is None
+    assert not controller.enforcement.attached
     # UnitManager.close() hands the socket close to its worker thread: poll the bus.
     async with asyncio.timeout(GUARD_S):
         while True:
@@ -127,5 +126,5 @@ async def test_a_unit_manager_passed_in_stays_connected_for_its_owner(
 ) -> None:
     with pytest.raises(SyncExploded):
         await attach_enforcement(controller, controller.paths, None, units=units)
-    assert controller.enforcer is None and controller.measurer is None
+    assert not controller.enforcement.attached
     await units.reload()  # still connected: the caller closes what it owns

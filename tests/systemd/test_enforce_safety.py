@@ -31,7 +31,7 @@ from tests.systemd.placement_world import (
     build_world,
     close_world,
 )
-from uapplace import engines
+from uapplace import engines, views
 from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
 from uapplace.timeouts import Timeouts
 from uapplace.units import MANAGER_IFACE, MANAGER_PATH, SYSTEMD, UnitManager
@@ -118,7 +118,7 @@ async def test_a_new_unit_that_does_not_exist_is_refused_and_the_victim_never_st
     changes_before = len(world.timeline.changes)
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 1, ALPHA_VICTIM)
+        result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
 
     assert result["ok"] is False and "rolledBack" not in result, result
     assert step_names(result) == ["revalidate", "preflight"]
@@ -150,7 +150,7 @@ async def test_a_missing_exec_start_binary_is_refused_and_an_unattended_run_rais
     pid_before = await main_pid(world, world.alpha.name)
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(
+        result = await world.controller.enforcement.apply(
             entry.id, 1, ALPHA_VICTIM, origin="notification click"
         )
 
@@ -161,7 +161,7 @@ async def test_a_missing_exec_start_binary_is_refused_and_an_unattended_run_rais
     )
     assert await main_pid(world, world.alpha.name) == pid_before
     await assert_alpha_serving(world)
-    alerts = (await world.controller.state_json())["alerts"]
+    alerts = (await views.state_json(world.controller))["alerts"]
     assert [(a["kind"], a["severity"], a["subject"]) for a in alerts] == [
         ("enforcement_failed", "warning", "beta")
     ]
@@ -183,7 +183,7 @@ async def test_a_start_job_that_fails_after_the_victim_stopped_brings_the_victim
     pid_before = await main_pid(world, world.alpha.name)
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 1, ALPHA_VICTIM)
+        result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
 
     assert result["ok"] is False and result["rolledBack"] is True, result
     start = step(result, "start")
@@ -221,7 +221,7 @@ async def test_a_new_unit_that_vanishes_after_the_victim_stopped_does_not_block_
     entry = await world.park("beta")
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 1, ALPHA_VICTIM)
+        result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
 
     assert result["ok"] is False and result["rolledBack"] is True, result
     start = step(result, "start")
@@ -272,7 +272,7 @@ async def test_a_never_healthy_engine_with_a_measured_start_is_rolled_back_withi
 ) -> None:
     record_start_s(world, "beta", "b1", 1.0)
     assert await world.controller.reload()
-    assert world.controller.load.registry.models["beta"].configs["b1"].start_s == 1.0
+    assert world.controller.registry.models["beta"].configs["b1"].start_s == 1.0
     entry = await world.park("beta")
 
     # Queued like the auto runner's run (wait=True): unattended, so a failure is an alert.
@@ -299,7 +299,7 @@ async def test_a_never_healthy_engine_with_a_measured_start_is_rolled_back_withi
     ]
     await assert_alpha_serving(world)
     assert "hot" not in world.events.states_of("beta")
-    (alert,) = (await world.controller.state_json())["alerts"]
+    (alert,) = (await views.state_json(world.controller))["alerts"]
     assert (alert["kind"], alert["severity"], alert["subject"]) == (
         "enforcement_failed",
         "warning",
@@ -332,7 +332,7 @@ async def test_an_orphan_holding_vram_makes_the_rollback_incomplete_and_raises_a
     entry = await world.park("beta")
     try:
         async with asyncio.timeout(GUARD_S):
-            result = await world.controller.apply(entry.id, 1, ALPHA_VICTIM)
+            result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
 
         assert result["ok"] is False and result["rolledBack"] is False, result
         (orphan,) = orphans
@@ -344,7 +344,7 @@ async def test_an_orphan_holding_vram_makes_the_rollback_incomplete_and_raises_a
         assert result["runningAfter"] == []
         assert world.controller.residents == []
 
-        state = await world.controller.state_json()
+        state = await views.state_json(world.controller)
         (alert,) = state["alerts"]
         assert (alert["kind"], alert["severity"], alert["subject"]) == (
             "rollback_incomplete",

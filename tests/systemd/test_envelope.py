@@ -30,8 +30,8 @@ from tests.systemd.placement_world import (
     build_world,
     close_world,
 )
-from uapplace import engines
-from uapplace.measure import MeasurementRefused
+from uapplace import engines, views
+from uapplace.engine_reading import MeasurementRefused
 from uapplace.model import Envelope
 from uapplace.sim.gpu import SimGpu
 from uapplace.timeouts import Timeouts
@@ -94,7 +94,7 @@ async def test_envelope_is_measured_on_the_fake_engine_and_stored(world: World) 
         await world.start_alpha()
         first_pid = (await world.units.state(world.alpha.name)).main_pid
 
-        result = await world.controller.measure_envelope("alpha", "a1")
+        result = await world.controller.enforcement.measure("alpha", "a1", envelope=True)
 
     written = local_doc(world)["models"]["alpha"]["configs"]["a1"]
     envelope = written["envelope"]
@@ -110,7 +110,7 @@ async def test_envelope_is_measured_on_the_fake_engine_and_stored(world: World) 
     assert (written["resident_gpu_mib"], written["pause_lever"]) == (ALPHA_MIB, "vllm-sleep-1")
 
     # The daemon re-read the local file: the envelope is in force.
-    config = world.controller.load.registry.models["alpha"].configs["a1"]
+    config = world.controller.registry.models["alpha"].configs["a1"]
     assert config.envelope == Envelope(**envelope)
     # Left serving: a new process (two restarts), awake, holding its memory, hot again.
     async with asyncio.timeout(GUARD_S):
@@ -120,7 +120,7 @@ async def test_envelope_is_measured_on_the_fake_engine_and_stored(world: World) 
     assert [(a.pid, a.used_mib) for a in world.sim.read().allocations] == [
         (state.main_pid, ALPHA_MIB)
     ]
-    report = await world.controller.validate()
+    report = await views.validate(world.controller)
     rows = [r for r in report["provenance"] if r.get("envelope")]
     assert [r["entry"] for r in rows] == ["$.models.alpha.configs.a1"]
     assert "wake " in rows[0]["envelope"]
@@ -134,7 +134,7 @@ async def test_envelope_needs_the_footprint_first(world: World) -> None:
     async with asyncio.timeout(GUARD_S):
         await world.units.start_unit(world.alpha.name, GUARD_S)
         with pytest.raises(MeasurementRefused, match=r"run `uapplace measure alpha a1` first"):
-            await world.controller.measure_envelope("alpha", "a1")
+            await world.controller.enforcement.measure("alpha", "a1", envelope=True)
     assert (await world.units.state(world.alpha.name)).active_state == "active", "untouched"
 
 
@@ -148,7 +148,7 @@ async def test_a_failing_wake_writes_nothing_and_leaves_the_engine_serving(world
     async with asyncio.timeout(GUARD_S):
         await world.start_alpha()
         with pytest.raises(MeasurementRefused, match=r"wake: .*--fail-wake.*restarted and serving"):
-            await world.controller.measure_envelope("alpha", "a1")
+            await world.controller.enforcement.measure("alpha", "a1", envelope=True)
         await world.events.until(lambda: world.state_of("alpha") == "hot")
     assert world.paths.local_registry.read_text(encoding="utf-8") == before
     held = [a.used_mib for a in world.sim.read().allocations]
@@ -246,19 +246,19 @@ async def test_a_cpu_only_config_is_measured_on_cpu0_placed_and_served(
         await world.start_alpha()
         assert (await world.units.start_unit(gamma.name, GUARD_S)).ok
         assert await engines.wait_healthy(gamma.endpoint, time.monotonic() + GUARD_S)
-        measured = await world.controller.measure("gamma", "c1")
+        measured = await world.controller.enforcement.measure("gamma", "c1")
     written = local_doc(world)["models"]["gamma"]["configs"]["c1"]
     assert (written["measured_on"], written["resident_gpu_mib"]) == ("cpu0", 0.0)
     assert written["host_rss_mib"] >= 32, "the unit's RSS, host memory included"
     assert measured["device"]["kind"] == "cpu"
-    report = await world.controller.validate()
+    report = await views.validate(world.controller)
     assert not [f for f in report["findings"] if "configs.c1" in f["json_path"]], report
     assert report["ok"] is True, report["findings"]
 
     async with asyncio.timeout(GUARD_S):
         assert (await world.units.stop_unit(gamma.name, GUARD_S)).ok
         await world.events.until(lambda: world.state_of("gamma") is None)
-        preview = await world.controller.preview("gamma", 0)
+        preview = await views.preview(world.controller, "gamma", 0)
         first = preview["options"][0]
         # On the host, alongside alpha: no GPU memory, nothing displaced.
         assert (first["kind"], first["device"], first["cost_mib"]) == ("load_alongside", "cpu0", 0)

@@ -12,7 +12,8 @@ import pytest
 
 from tests.systemd.conftest import UnitFiles
 from tests.systemd.placement_world import ALPHA_MIB, GUARD_S, World, build_world, close_world
-from uapplace.measure import MeasurementRefused, Measurer
+from uapplace.engine_reading import MeasurementRefused
+from uapplace.measure import Measurer
 from uapplace.registry import load_registry
 from uapplace.sim.gpu import SimGpu, sim_uuid
 from uapplace.units import UnitManager
@@ -78,7 +79,7 @@ async def test_measure_writes_the_local_registry_from_the_live_engine(world: Wor
     assert "uapplace backends 14,000 MiB" in device["reserve_reason"]
 
     # The daemon re-read its registry: the new numbers are the ones in force.
-    config = world.controller.load.registry.models["alpha"].configs["a1"]
+    config = world.controller.registry.models["alpha"].configs["a1"]
     assert (config.provenance, config.resident_gpu_mib) == ("local", ALPHA_MIB)
     merged = load_registry(world.paths.repo_registry, world.paths.local_registry)
     assert merged.errors == () and merged.registry.devices["gpu0"].reserved_mib == 1000

@@ -116,7 +116,7 @@ async def pause_alpha_for_beta(world: World) -> None:
     entry = await world.park("beta")
     assert forms(entry) == [("displace", tuple(ALPHA_PAUSED)), ("displace", ("alpha/a1",))]
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 1, ALPHA_PAUSED)
+        result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_PAUSED)
     assert result["ok"] is True, result
     assert "pause" in step_names(result) and "start" in step_names(result)
 
@@ -133,7 +133,7 @@ async def test_pause_frees_the_vram_and_a_later_request_wakes_alpha(world: World
     assert world.state_of("beta") == "hot"
     assert "paused" in world.events.states_of("alpha")
     # The one publication check refuses a sleeping engine (it still answers /health 200).
-    alpha_model = world.controller.load.registry.models["alpha"]
+    alpha_model = world.controller.registry.models["alpha"]
     expect = verify.expectation(alpha_model, alpha_model.configs["a1"])
     verdict = await verify.check(world.alpha.endpoint, expect, 2.0)
     assert not verdict.ok and "asleep" in verdict.detail, verdict
@@ -144,7 +144,7 @@ async def test_pause_frees_the_vram_and_a_later_request_wakes_alpha(world: World
     assert forms(entry) == [("wake", tuple(BETA_PAUSED)), ("wake", tuple(BETA_STOPPED))]
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 2, BETA_STOPPED)
+        result = await world.controller.enforcement.apply(entry.id, 2, BETA_STOPPED)
 
     assert result["ok"] is True, result
     names = step_names(result)
@@ -164,7 +164,7 @@ async def test_consent_names_the_action(world: World) -> None:
     # Approving the stop never runs the pause form, and the other way round: the run
     # that executes is the form whose signature was approved.
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 2, ["alpha/a1"])
+        result = await world.controller.enforcement.apply(entry.id, 2, ["alpha/a1"])
     assert result["ok"] is True, result
     assert "pause" not in step_names(result)
     assert await active(world, world.alpha.name) == "inactive"
@@ -180,7 +180,7 @@ async def test_a_failing_wake_rolls_back_and_beta_serves_again(
     assert forms(entry)[0] == ("wake", tuple(BETA_PAUSED))
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.apply(entry.id, 1, BETA_PAUSED)
+        result = await world.controller.enforcement.apply(entry.id, 1, BETA_PAUSED)
 
     assert result["ok"] is False and result["rolledBack"] is True, result
     names = step_names(result)

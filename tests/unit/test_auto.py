@@ -20,16 +20,13 @@ from typing import Any
 import pytest
 
 from uapplace.admission import Admission
-from uapplace.auto import (
-    COOLDOWN_S,
+from uapplace.auto import COOLDOWN_S, AutoRunner, enforcement_envelope_s, pick_option
+from uapplace.autopolicy import (
     AutoPolicy,
-    AutoRunner,
     ConsentRequired,
     PolicyStore,
     apply_changes,
-    enforcement_envelope_s,
-    load_policy,
-    pick_option,
+    load_auto_policy,
     save_policy,
 )
 from uapplace.errors import Failed, InvalidArgument
@@ -47,6 +44,7 @@ from uapplace.model import (
     ResidentState,
     Victim,
 )
+from uapplace.standing import Cooldowns
 from uapplace.timeouts import Timeouts
 
 T0 = 1_800_000_000.0
@@ -117,23 +115,43 @@ class Clock:
         return self.now
 
 
+async def _same_plan(entry: PendingEntry) -> Plan:
+    return Plan(entry.requested_model, PreviewReason.OK, entry.options)
+
+
 class Host:
-    """The controller's side the runner uses, over a real Admission."""
+    """The controller's side the runner uses, over a real Admission and real cooldowns.
+
+    ``replan`` stands in for the planner: fresh options for the entry that asks."""
 
     def __init__(self, clock: Clock) -> None:
         self.admission = Admission(REGISTRY)
-        self.cooldowns: dict[str, float] = {}
+        self.cooldowns = Cooldowns(self.mark_dirty)
         self.resolved: list[tuple[str, str]] = []
         self.writes = 0
         self.clock = clock
+        self.replan: Callable[[PendingEntry], Awaitable[Plan]] = _same_plan
 
     def mark_dirty(self, urgent: bool = True) -> None:
         self.writes += 1
 
-    def resolve(self, entry: PendingEntry, outcome: str, already_removed: bool = False) -> None:
+    def pending_entry(self, placement_id: str) -> PendingEntry | None:
+        return self.admission.get(placement_id)
+
+    def replace_pending(self, entry: PendingEntry) -> None:
+        self.admission.replace(entry)
+        self.mark_dirty()
+
+    def resolve_pending(
+        self, entry: PendingEntry, outcome: str, already_removed: bool = False
+    ) -> None:
         if not already_removed:
             self.admission.remove(entry.id)
         self.resolved.append((entry.id, outcome))
+
+    async def plan_for(self, model: str, cells: int) -> Plan:
+        asking = [e for e in self.admission.pending.values() if e.requested_model == model]
+        return await self.replan(asking[0])
 
     def park(self, model: str, client: str = "x-uap-client-id:claude-code") -> PendingEntry:
         decision, entry = self.admission.decide(model, client, None, None, self.clock())
@@ -187,17 +205,13 @@ class FakeEnforcer:
             if outcome and self.resolves:
                 for pending in list(self.host.admission.pending.values()):
                     if pending.requested_model in (model, f"{model}-chat"):
-                        self.host.resolve(pending, "applied")
+                        self.host.resolve_pending(pending, "applied")
             result: dict[str, Any] = {"ok": outcome, "placementId": entry.id, "steps": []}
             if not outcome:
                 result.update(rolledBack=True, error="verify-up: unit failed; rolled back")
             return result
         finally:
             self.active -= 1
-
-
-async def _same_plan(entry: PendingEntry) -> Plan:
-    return Plan(entry.requested_model, PreviewReason.OK, entry.options)
 
 
 class Rig:
@@ -207,13 +221,11 @@ class Rig:
         self.enforcer = FakeEnforcer(self.host)
         self.policy_path = tmp_path / "placement-auto.json"
         self.store = PolicyStore(self.policy_path, lambda: REGISTRY)
-        self.replan: Callable[[PendingEntry], Awaitable[Plan]] = _same_plan
         self.runner = AutoRunner(
             self.host,
             self.enforcer,
             self.store,
             lambda: REGISTRY,
-            lambda entry: self.replan(entry),
             envelope_s=ENVELOPE,
             clock=self.clock,
         )
@@ -247,7 +259,7 @@ async def _turns(count: int = 20) -> None:
 
 
 def test_a_missing_file_means_off_without_a_finding(tmp_path: Path) -> None:
-    policy, findings = load_policy(tmp_path / "placement-auto.json")
+    policy, findings = load_auto_policy(tmp_path / "placement-auto.json")
     assert policy == AutoPolicy()
     assert not policy.enabled and policy.idle_window_s is None
     assert findings == []
@@ -257,7 +269,7 @@ def test_a_missing_file_means_off_without_a_finding(tmp_path: Path) -> None:
 def test_a_corrupt_file_means_off_and_says_why(tmp_path: Path, text: str) -> None:
     path = tmp_path / "placement-auto.json"
     path.write_bytes(text.encode("latin-1"))
-    policy, findings = load_policy(path)
+    policy, findings = load_auto_policy(path)
     assert policy == AutoPolicy()
     assert len(findings) == 1
     assert findings[0].startswith(f"{path}: ") and findings[0].endswith("auto is off")
@@ -267,7 +279,7 @@ def test_a_corrupt_file_means_off_and_says_why(tmp_path: Path, text: str) -> Non
 def test_enabled_must_be_literally_true(tmp_path: Path, enabled: object) -> None:
     path = tmp_path / "placement-auto.json"
     path.write_text(json.dumps({"enabled": enabled, "allow_displace": ["alpha"]}))
-    policy, findings = load_policy(path)
+    policy, findings = load_auto_policy(path)
     assert policy.enabled is False
     assert policy.allow_displace == ("alpha",)  # the other knob still applies
     assert pick_option([alongside("beta")], policy, "beta") is None
@@ -279,7 +291,7 @@ def test_enabled_must_be_literally_true(tmp_path: Path, enabled: object) -> None
 def test_enabled_true_turns_it_on(tmp_path: Path) -> None:
     path = tmp_path / "placement-auto.json"
     path.write_text('{"enabled": true}')
-    policy, findings = load_policy(path)
+    policy, findings = load_auto_policy(path)
     assert (policy.enabled, findings) == (True, [])
 
 
@@ -308,7 +320,7 @@ GOOD = {
 def test_each_invalid_knob_is_dropped_alone(tmp_path: Path, knob: str, bad: object) -> None:
     path = tmp_path / "placement-auto.json"
     path.write_text(json.dumps({**GOOD, knob: bad}))
-    policy, findings = load_policy(path)
+    policy, findings = load_auto_policy(path)
     assert len(findings) == 1, findings
     assert findings[0].startswith(f"{path}: {knob}: ")
     assert "ignored" in findings[0]
@@ -328,7 +340,7 @@ def test_unknown_keys_and_the_60s_floor_are_reported(tmp_path: Path) -> None:
     path.write_text(
         json.dumps({"enabled": True, "allow_unload": ["beta"], "unload_idle_after_secs": 5})
     )
-    policy, findings = load_policy(path)
+    policy, findings = load_auto_policy(path)
     assert policy.enabled and policy.unload_idle_after_secs == 5 and policy.idle_window_s == 60
     assert policy.unload_allow == ()
     assert any("allow_unload: unknown key" in f for f in findings)
@@ -338,7 +350,7 @@ def test_unknown_keys_and_the_60s_floor_are_reported(tmp_path: Path) -> None:
 def test_zero_seconds_is_off(tmp_path: Path) -> None:
     path = tmp_path / "placement-auto.json"
     path.write_text(json.dumps({"unload_idle_after_secs": 0, "unload_allow": ["beta"]}))
-    policy, findings = load_policy(path)
+    policy, findings = load_auto_policy(path)
     assert (policy.idle_window_s, policy.may_unload("beta"), findings) == (None, False, [])
 
 
@@ -725,7 +737,7 @@ async def test_a_queued_run_uses_the_options_of_its_turn(rig: Rig) -> None:
             return plan_of("beta", alongside("beta", "gpu1"))
         return await _same_plan(entry)
 
-    rig.replan = after_alpha
+    rig.host.replan = after_alpha
     gate.set()
     rig.enforcer.resolves = False
     await rig.runner.wait_idle()
@@ -754,7 +766,7 @@ async def test_a_run_nobody_waits_for_any_more_does_not_happen(rig: Rig) -> None
     gate = rig.enforcer.gate("alpha")
     await rig.park("alpha", alongside("alpha"))
     queued, _ = await rig.park("beta", alongside("beta"))
-    rig.host.resolve(queued, "dismissed")
+    rig.host.resolve_pending(queued, "dismissed")
     gate.set()
     await rig.runner.wait_idle()
     assert [c[0] for c in rig.enforcer.calls] == ["alpha"]
@@ -767,7 +779,7 @@ async def test_a_stale_auto_loading_reason_from_a_restart_is_not_repeated(rig: R
     stale = replace(entry, reason=ParkReason.AUTO_LOADING, options=(alongside("beta"),))
     rig.host.admission.replace(stale)
     rig.enforcer.gate("beta")
-    rig.host.cooldowns["beta"] = T0 + 60  # so no new run can start for it
+    rig.host.cooldowns.start("beta", T0 + 60)  # so no new run can start for it
     assert await rig.runner.schedule(stale, plan_of("beta", alongside("beta"))) is None
     assert rig.host.entry(entry.id).reason is ParkReason.NOT_RESIDENT
 
@@ -791,3 +803,14 @@ async def test_close_lets_the_running_run_finish_and_drops_the_waiting_ones(rig:
     assert [c[0] for c in rig.enforcer.calls] == ["alpha"]
     assert rig.host.admission.get(running.id) is None
     assert rig.runner.status() == {"running": None, "queued": [], "cooldowns": {}}
+
+
+async def test_the_store_refuses_a_grant_without_consent_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "placement-auto.json"
+    store = PolicyStore(path, lambda: REGISTRY)
+    for knob in ("allow_displace", "allow_unload"):
+        with pytest.raises(InvalidArgument, match=f"{knob} records standing consent"):
+            await store.set({knob: ["alpha"]}, consent=False)
+    assert not path.exists()

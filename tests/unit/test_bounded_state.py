@@ -30,6 +30,7 @@ from uapplace.model import (
     Registry,
 )
 from uapplace.paths import Paths
+from uapplace.ports import EventRelay, NoEvents
 
 NOW = 1_800_000_000.0
 TTL = 120.0
@@ -220,7 +221,7 @@ def controller(tmp_path: Path) -> Controller:
             "UAPPLACE_TEST_PENDING_TTL_S": "7",
         }
     )
-    return Controller.open(paths, clock=lambda: NOW)
+    return Controller.open(paths, clock=lambda: NOW, events=EventRelay())
 
 
 async def test_the_controller_resolves_pushed_out_entries_as_expired(
@@ -228,18 +229,15 @@ async def test_the_controller_resolves_pushed_out_entries_as_expired(
 ) -> None:
     resolved: list[tuple[str, str]] = []
 
-    class Events:
-        def __getattr__(self, name: str) -> object:
-            return lambda *args: None
-
+    class Events(NoEvents):
         def on_resolved(self, placement_id: str, outcome: str) -> None:
             resolved.append((placement_id, outcome))
 
-    controller.events = Events()  # type: ignore[assignment]
+    assert isinstance(controller.events, EventRelay)
+    controller.events.attach(Events())
     ids = [controller.admit(f"m-{n}", "one", "", 0).placement_id for n in range(40)]
     await asyncio.sleep(0)
-    while controller._background:
-        await asyncio.gather(*controller._background)
+    await controller.background_done()
     assert len(controller.admission.pending) == MAX_PENDING_PER_CLIENT
     assert resolved == [(i, "expired") for i in ids[: 40 - MAX_PENDING_PER_CLIENT]]
     assert controller.admission.ttl == 7.0

@@ -38,7 +38,7 @@ def adopt(bus: MessageBus, sock: socket.socket) -> None:
     bus._sock = sock
     bus._stream = sock.makefile("rwb")
     bus._fd = sock.fileno()
-    bus._writer = _MessageWriter(bus)  # type: ignore[assignment]
+    bus._writer = _MessageWriter(bus)
     bus.unique_name = ":1.test"
 
 
@@ -158,9 +158,16 @@ def socket_path(tmp_path: Path) -> Iterator[Path]:
     runtime.rmdir()
 
 
+def echo_forward(
+    model: str, client: str, session: str, cells: int, deadline_us: int = 0
+) -> tuple[str, str, str, str]:
+    """An admit answer that forwards and echoes what it was asked."""
+    return ("forward", model, client, session)
+
+
 @pytest.fixture
 async def peer_socket(socket_path: Path) -> AsyncIterator[Path]:
-    listener = PeerListener(socket_path, lambda m, c, s, n: ("forward", m, c, s))
+    listener = PeerListener(socket_path, echo_forward)
     await listener.start()
     yield socket_path
     await listener.close()

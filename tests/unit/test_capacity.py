@@ -14,11 +14,12 @@ from uapplace.capacity import (
     CapacityPolicy,
     Finding,
     has_errors,
-    load_policy,
+    load_capacity_policy,
     validate,
 )
+from uapplace.jsonfile import ConfigFileError
 from uapplace.model import Config, Model
-from uapplace.registry import ConfigFileError, RegistryLoad, load_registry, local_measurements
+from uapplace.registry import RegistryLoad, load_registry, local_measurements
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 SHIPPED_REGISTRY: dict[str, Any] = json.loads((CONFIG_DIR / "model-registry.json").read_text())
@@ -59,7 +60,9 @@ def run(
 ) -> list[Finding]:
     return validate(
         load(tmp_path, registry or registry_doc(), local),
-        load_policy(write(tmp_path / "config" / "capacity-policy.json", policy or policy_doc())),
+        load_capacity_policy(
+            write(tmp_path / "config" / "capacity-policy.json", policy or policy_doc())
+        ),
     )
 
 
@@ -96,7 +99,7 @@ def with_config(loaded: RegistryLoad, which: tuple[str, str], **changes: Any) ->
 
 
 def shipped_policy() -> CapacityPolicy:
-    return load_policy(CONFIG_DIR / "capacity-policy.json")
+    return load_capacity_policy(CONFIG_DIR / "capacity-policy.json")
 
 
 def config_path(which: tuple[str, str], field: str) -> str:
@@ -127,7 +130,7 @@ def test_duplicate_service_name_is_an_error(tmp_path: Path) -> None:
     doc = policy_doc()
     doc["services"].append({"name": "strata-server"})
     with pytest.raises(ConfigFileError) as caught:
-        load_policy(write(tmp_path / "capacity-policy.json", doc))
+        load_capacity_policy(write(tmp_path / "capacity-policy.json", doc))
     assert caught.value.json_path == "$.services[3].name"
     assert "first at $.services[0]" in caught.value.message
 
@@ -136,7 +139,7 @@ def test_policy_wrong_type_names_the_path(tmp_path: Path) -> None:
     doc = policy_doc()
     service_of(doc, "strata-server")["gpuMinFreeMiB"] = "200"
     with pytest.raises(ConfigFileError) as caught:
-        load_policy(write(tmp_path / "capacity-policy.json", doc))
+        load_capacity_policy(write(tmp_path / "capacity-policy.json", doc))
     assert caught.value.json_path == "$.services[0].gpuMinFreeMiB"
     assert caught.value.file == tmp_path / "capacity-policy.json"
 
@@ -144,7 +147,7 @@ def test_policy_wrong_type_names_the_path(tmp_path: Path) -> None:
 def test_policy_services_must_be_a_list(tmp_path: Path) -> None:
     doc = {"services": {"strata-server": {"gpuMinFreeMiB": 200}}}
     with pytest.raises(ConfigFileError) as caught:
-        load_policy(write(tmp_path / "capacity-policy.json", doc))
+        load_capacity_policy(write(tmp_path / "capacity-policy.json", doc))
     assert caught.value.json_path == "$.services"
 
 
@@ -152,14 +155,17 @@ def test_policy_fields_other_tools_own_are_ignored(tmp_path: Path) -> None:
     doc = policy_doc()
     doc["defaults"] = {"probeTimeoutMs": 2000}
     service_of(doc, "strata-server")["health"] = {"url": "http://127.0.0.1:8080/health"}
-    assert "strata-server" in load_policy(write(tmp_path / "capacity-policy.json", doc)).services
+    assert (
+        "strata-server"
+        in load_capacity_policy(write(tmp_path / "capacity-policy.json", doc)).services
+    )
 
 
 def test_policy_bad_unit_name_is_an_error(tmp_path: Path) -> None:
     doc = policy_doc()
     service_of(doc, "gemma-server")["unit"] = "a/b"
     with pytest.raises(ConfigFileError) as caught:
-        load_policy(write(tmp_path / "capacity-policy.json", doc))
+        load_capacity_policy(write(tmp_path / "capacity-policy.json", doc))
     assert caught.value.json_path == "$.services[2].unit"
 
 
@@ -167,7 +173,7 @@ def test_policy_invalid_json_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "capacity-policy.json"
     path.write_text('{"services": [}', encoding="utf-8")
     with pytest.raises(ConfigFileError, match="line 1 column 15"):
-        load_policy(path)
+        load_capacity_policy(path)
 
 
 # --------------------------------------------------------------------------- the shipped files

@@ -124,7 +124,7 @@ def configs_of(reg: Registry) -> Iterator[tuple[Model, Config, str]]:
 
 def resident_spots(reg: Registry, m: Model, c: Config) -> tuple[str, ...]:
     """Every device a config can be found resident on (the planner or a hand start)."""
-    if c.is_measured and c.measured_on in reg.devices:
+    if c.is_measured and c.measured_on is not None and c.measured_on in reg.devices:
         return (c.measured_on,)
     return tuple(candidate_devices(reg, m))
 

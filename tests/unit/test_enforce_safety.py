@@ -1,26 +1,28 @@
 """Enforcement safety without systemd: the preflight decision, timeouts from facts, alerts.
 
-:func:`~uapplace.enforce.preflight_problems` is pure (facts in, named problems out),
+:func:`~uapplace.preflight.preflight_problems` is pure (facts in, named problems out),
 so every refusal reason is shown here on plain values. The enforcer-level cases
-drive a real :class:`~uapplace.enforce.Enforcer` over an in-memory host with a
-:class:`~uapplace.units.UnitManager` that is never connected: the preflight then
-cannot read the new unit, which must refuse the run before anything is touched.
+drive a real :class:`~uapplace.enforce.Enforcer` over the in-memory host of
+``enforce_fakes`` with a :class:`~uapplace.units.UnitManager` that is never
+connected: the preflight then cannot read the new unit, which must refuse the run
+before anything is touched.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from enforce_fakes import ListHost, static_readings
 
 from uapplace.alerts import AlertKind, Severity
-from uapplace.capacity import ServicePolicy
-from uapplace.enforce import EnforcementResult, Enforcer, RunningAfter, StepRecord
+from uapplace.enforce import Enforcer
+from uapplace.enforce_run import EnforcementResult, RunningAfter, StepRecord
 from uapplace.jsonfile import ConfigFileError
 from uapplace.model import (
     Config,
@@ -28,12 +30,9 @@ from uapplace.model import (
     Device,
     DeviceKind,
     DeviceReading,
-    Holder,
-    Model,
     ParkReason,
     PendingEntry,
     ProbeSource,
-    Registry,
     Resident,
     ResidentState,
 )
@@ -424,88 +423,6 @@ def test_every_problem_is_reported_at_once() -> None:
 # --------------------------------------------------------------------------- the enforcer
 
 
-def registry() -> Registry:
-    def measured(key: str, mib: float) -> Config:
-        return config(key=key, resident_gpu_mib=mib, host_rss_mib=64.0, kv_resident_cells=32768)
-
-    models = {
-        "alpha": Model("alpha", "Alpha", "llama.cpp", {"a1": measured("a1", 14000)}, unit="alpha"),
-        "beta": Model("beta", "Beta", "llama.cpp", {"b1": measured("b1", 16000)}, unit="beta"),
-    }
-    return Registry({"gpu0": Device("gpu0", DeviceKind.GPU, 24576, 0), "cpu0": HOST}, models)
-
-
-def readings() -> dict[str, DeviceReading]:
-    return {
-        "gpu0": DeviceReading("gpu0", DeviceKind.GPU, 24576, 10576, ProbeSource.SIM),
-        "cpu0": host_reading(),
-    }
-
-
-@dataclass
-class AlertingHost:
-    """An :class:`~uapplace.enforce_host.EnforcementHost` over plain lists that keeps alerts."""
-
-    reg: Registry = field(default_factory=registry)
-    live: list[Resident] = field(default_factory=list)
-    entries: dict[str, PendingEntry] = field(default_factory=dict)
-    steps: list[tuple[str, str, bool, str]] = field(default_factory=list)
-    alerts: list[tuple[AlertKind, Severity, str, str]] = field(default_factory=list)
-    resolved: list[tuple[str, str]] = field(default_factory=list)
-
-    def registry(self) -> Registry:
-        return self.reg
-
-    def residents(self) -> Sequence[Resident]:
-        return tuple(self.live)
-
-    def pending(self, placement_id: str) -> PendingEntry | None:
-        return self.entries.get(placement_id)
-
-    async def plan_input(self) -> PlanInput:
-        return PlanInput(self.reg, list(self.live), readings())
-
-    async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
-        return {}
-
-    def holds(self, resident: Resident) -> Sequence[Holder]:
-        return []
-
-    async def read_devices(self) -> Mapping[str, DeviceReading]:
-        return readings()
-
-    def service_policy(self, model: Model) -> ServicePolicy | None:
-        return None
-
-    def put_resident(self, resident: Resident) -> None:
-        key = (resident.model, resident.config, resident.device)
-        self.live = [r for r in self.live if (r.model, r.config, r.device) != key] + [resident]
-
-    def drop_resident(self, resident: Resident) -> None:
-        key = (resident.model, resident.config, resident.device)
-        self.live = [r for r in self.live if (r.model, r.config, r.device) != key]
-
-    def resolve_served(self, resident: Resident, outcome: str) -> list[str]:
-        return []
-
-    def resolve_entry(self, placement_id: str, outcome: str) -> bool:
-        self.resolved.append((placement_id, outcome))
-        return self.entries.pop(placement_id, None) is not None
-
-    def emit_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
-        self.steps.append((run_id, step, ok, detail))
-
-    def raise_alert(
-        self,
-        kind: AlertKind,
-        severity: Severity,
-        subject: str,
-        message: str,
-        detail: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.alerts.append((kind, severity, subject, message))
-
-
 @pytest.fixture
 async def units() -> AsyncIterator[UnitManager]:
     manager = UnitManager("unix:path=/nonexistent/bus")  # never connected: every read fails
@@ -514,12 +431,12 @@ async def units() -> AsyncIterator[UnitManager]:
 
 
 @pytest.fixture
-def host() -> AlertingHost:
-    return AlertingHost(live=[resident(host_rss_mib=64.0, unit="alpha.service")])
+def host() -> ListHost:
+    return ListHost(live=[resident(host_rss_mib=64.0, unit="alpha.service")])
 
 
-def park(host: AlertingHost) -> PendingEntry:
-    options = plan(PlanInput(host.reg, host.live, readings()), "beta").options
+def park(host: ListHost) -> PendingEntry:
+    options = plan(PlanInput(host.reg, host.live, static_readings()), "beta").options
     entry = PendingEntry(
         "plc-000001", "beta", "client", None, 0.0, 1e12, ParkReason.NOT_RESIDENT, options=options
     )
@@ -528,7 +445,7 @@ def park(host: AlertingHost) -> PendingEntry:
 
 
 async def test_a_run_whose_new_unit_cannot_be_read_is_refused_before_anything_is_touched(
-    host: AlertingHost, units: UnitManager
+    host: ListHost, units: UnitManager
 ) -> None:
     entry = park(host)
 
@@ -553,7 +470,7 @@ async def test_a_run_whose_new_unit_cannot_be_read_is_refused_before_anything_is
 
 
 async def test_an_unattended_refused_run_raises_an_enforcement_failed_alert(
-    host: AlertingHost, units: UnitManager
+    host: ListHost, units: UnitManager
 ) -> None:
     entry = park(host)
 

@@ -1,7 +1,7 @@
 """Enforcement logic that needs no systemd: timeouts, marks, results, revalidation refusals.
 
-The revalidation tests drive a real :class:`Enforcer` over an in-memory host (the
-real planner, plain lists for residents and pending entries) with a
+The revalidation tests drive a real :class:`Enforcer` over the in-memory host of
+``enforce_fakes`` (the real planner, plain lists for residents and pending entries) with a
 :class:`UnitManager` that is never connected: every case here refuses before
 any unit is touched, which is the point of revalidation.
 """
@@ -11,41 +11,32 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from enforce_fakes import FakeUnits, ListHost, measured, static_readings, swap_registry
 
-from uapplace.capacity import ServicePolicy
-from uapplace.enforce import (
-    EnforcementMarks,
-    EnforcementResult,
-    Enforcer,
-    StepRecord,
-    normalize_signature,
-)
+from uapplace.enforce import Enforcer
+from uapplace.enforce_run import EnforcementResult, StepRecord, normalize_signature
 from uapplace.engines import ProxyTokenRejected
 from uapplace.errors import Busy, Drifted, Failed, InvalidArgument, NotFound, UnknownModel
+from uapplace.jsonfile import ConfigFileError
 from uapplace.model import (
     Config,
     ConfigStatus,
-    Device,
-    DeviceKind,
-    DeviceReading,
     Holder,
     Model,
     ParkReason,
     PendingEntry,
-    ProbeSource,
     Registry,
     Resident,
     ResidentState,
 )
 from uapplace.planner import PlanInput, plan
-from uapplace.registry import ConfigFileError
 from uapplace.timeouts import Timeouts
-from uapplace.units import UnitManager, UnitState
-from uapplace.unitsync import default_device, registry_units
+from uapplace.units import UnitManager
+from uapplace.unitsync import EnforcementMarks, default_device, registry_units
 
 MEASURED_AT = "2026-10-08T14:02:00Z"
 
@@ -177,96 +168,8 @@ def test_result_json_is_the_contract_shape() -> None:
 # --------------------------------------------------------------------------- an in-memory host
 
 
-def measured(key: str, mib: float, unit: str | None = None) -> Config:
-    return Config(
-        key=key,
-        status=ConfigStatus.MEASURED,
-        resident_gpu_mib=mib,
-        host_rss_mib=64.0,
-        kv_resident_cells=32768,
-        measured_at=MEASURED_AT,
-        measured_on="gpu0",
-        unit=unit,
-    )
-
-
-def registry() -> Registry:
-    devices = {
-        "gpu0": Device("gpu0", DeviceKind.GPU, 24576, 0),
-        "cpu0": Device("cpu0", DeviceKind.CPU, 65536, 1024),
-    }
-    models = {
-        "alpha": Model("alpha", "Alpha", "llama.cpp", {"a1": measured("a1", 14000)}, unit="alpha"),
-        "beta": Model("beta", "Beta", "llama.cpp", {"b1": measured("b1", 16000)}, unit="beta"),
-    }
-    return Registry(devices, models)
-
-
-def readings() -> dict[str, DeviceReading]:
-    return {
-        "gpu0": DeviceReading("gpu0", DeviceKind.GPU, 24576, 10576, ProbeSource.SIM),
-        "cpu0": DeviceReading("cpu0", DeviceKind.CPU, 65536, 60000, ProbeSource.MEMAVAILABLE),
-    }
-
-
-@dataclass
-class MemoryHost:
-    """EnforcementHost over plain lists; ``gate`` lets a test hold ``plan_input``."""
-
-    reg: Registry = field(default_factory=registry)
-    live: list[Resident] = field(default_factory=list)
-    entries: dict[str, PendingEntry] = field(default_factory=dict)
-    bus_holds: list[tuple[str, Holder]] = field(default_factory=list)
-    steps: list[tuple[str, str, bool, str]] = field(default_factory=list)
-    gate: asyncio.Event | None = None
-
-    def registry(self) -> Registry:
-        return self.reg
-
-    def residents(self) -> Sequence[Resident]:
-        return tuple(self.live)
-
-    def pending(self, placement_id: str) -> PendingEntry | None:
-        return self.entries.get(placement_id)
-
-    async def plan_input(self) -> PlanInput:
-        if self.gate is not None:
-            await self.gate.wait()
-        with_holders = [replace(r, holders=tuple(self.holds(r))) for r in self.live]
-        return PlanInput(self.reg, with_holders, readings())
-
-    async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
-        return {}
-
-    def holds(self, resident: Resident) -> Sequence[Holder]:
-        return [h for model, h in self.bus_holds if model == resident.model]
-
-    async def read_devices(self) -> Mapping[str, DeviceReading]:
-        return readings()
-
-    def service_policy(self, model: Model) -> ServicePolicy | None:
-        return None
-
-    def put_resident(self, resident: Resident) -> None:
-        key = (resident.model, resident.config, resident.device)
-        self.live = [r for r in self.live if (r.model, r.config, r.device) != key] + [resident]
-
-    def drop_resident(self, resident: Resident) -> None:
-        key = (resident.model, resident.config, resident.device)
-        self.live = [r for r in self.live if (r.model, r.config, r.device) != key]
-
-    def resolve_served(self, resident: Resident, outcome: str) -> list[str]:
-        return []
-
-    def resolve_entry(self, placement_id: str, outcome: str) -> bool:
-        return self.entries.pop(placement_id, None) is not None
-
-    def emit_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
-        self.steps.append((run_id, step, ok, detail))
-
-
-def park(host: MemoryHost, model: str = "beta") -> PendingEntry:
-    options = plan(PlanInput(host.reg, host.live, readings()), model).options
+def park(host: ListHost, model: str = "beta") -> PendingEntry:
+    options = plan(PlanInput(host.reg, host.live, static_readings()), model).options
     entry = PendingEntry(
         "plc-000001", model, "client", None, 0.0, 1e12, ParkReason.NOT_RESIDENT, options=options
     )
@@ -282,12 +185,12 @@ async def units() -> AsyncIterator[UnitManager]:
 
 
 @pytest.fixture
-def host() -> MemoryHost:
-    return MemoryHost(live=[resident("alpha", "a1", unit="alpha.service")])
+def host() -> ListHost:
+    return ListHost(live=[resident("alpha", "a1", unit="alpha.service")])
 
 
 async def test_apply_refuses_a_changed_victim_set_before_touching_anything(
-    host: MemoryHost, units: UnitManager
+    host: ListHost, units: UnitManager
 ) -> None:
     entry = park(host)
     assert [o.signature for o in entry.options] == [("alpha/a1",)]
@@ -302,7 +205,7 @@ async def test_apply_refuses_a_changed_victim_set_before_touching_anything(
 
 
 async def test_apply_refuses_an_option_that_no_longer_exists(
-    host: MemoryHost, units: UnitManager
+    host: ListHost, units: UnitManager
 ) -> None:
     entry = park(host)
     host.bus_holds.append(("alpha", Holder("editor", "hold", "writing a book")))  # a pin
@@ -314,7 +217,7 @@ async def test_apply_refuses_an_option_that_no_longer_exists(
 
 
 async def test_apply_without_a_signature_compares_with_the_stored_option(
-    host: MemoryHost, units: UnitManager
+    host: ListHost, units: UnitManager
 ) -> None:
     entry = park(host)
     stale = replace(entry, options=(replace(entry.options[0], victims=()),))
@@ -324,9 +227,7 @@ async def test_apply_without_a_signature_compares_with_the_stored_option(
         await Enforcer(host, units).apply(entry.id, 1)
 
 
-async def test_apply_checks_the_id_and_the_option_index(
-    host: MemoryHost, units: UnitManager
-) -> None:
+async def test_apply_checks_the_id_and_the_option_index(host: ListHost, units: UnitManager) -> None:
     entry = park(host)
     enforcer = Enforcer(host, units)
 
@@ -339,7 +240,7 @@ async def test_apply_checks_the_id_and_the_option_index(
 
 
 async def test_unload_refuses_a_model_that_is_not_resident_or_unknown(
-    host: MemoryHost, units: UnitManager
+    host: ListHost, units: UnitManager
 ) -> None:
     enforcer = Enforcer(host, units)
 
@@ -349,7 +250,7 @@ async def test_unload_refuses_a_model_that_is_not_resident_or_unknown(
         await enforcer.unload("nope", [])
 
 
-async def test_unload_refuses_a_held_resident(host: MemoryHost, units: UnitManager) -> None:
+async def test_unload_refuses_a_held_resident(host: ListHost, units: UnitManager) -> None:
     host.bus_holds.append(("alpha", Holder("ide", "hold", "pairing")))
 
     with pytest.raises(Busy, match=r"held on the bus by ide \(pairing\)"):
@@ -357,7 +258,7 @@ async def test_unload_refuses_a_held_resident(host: MemoryHost, units: UnitManag
 
 
 async def test_an_unitless_victim_is_refused(units: UnitManager) -> None:
-    host = MemoryHost(live=[resident("alpha", "a1", unit=None)])
+    host = ListHost(live=[resident("alpha", "a1", unit=None)])
     entry = park(host)
 
     with pytest.raises(Failed, match="run without a systemd unit"):
@@ -365,7 +266,7 @@ async def test_an_unitless_victim_is_refused(units: UnitManager) -> None:
 
 
 async def test_a_second_operator_call_is_busy_while_one_runs(
-    host: MemoryHost, units: UnitManager
+    host: ListHost, units: UnitManager
 ) -> None:
     entry = park(host)
     host.gate = asyncio.Event()
@@ -390,7 +291,7 @@ async def test_a_second_operator_call_is_busy_while_one_runs(
 
 
 def test_registry_units_map_units_to_their_configs() -> None:
-    reg = registry()
+    reg = swap_registry()
     shared = Model(
         "gamma",
         "Gamma",
@@ -413,7 +314,7 @@ def test_registry_units_map_units_to_their_configs() -> None:
 
 
 def test_default_device_prefers_measured_on_then_affinity_then_first_gpu() -> None:
-    reg = registry()
+    reg = swap_registry()
     model = reg.models["alpha"]
     config = model.configs["a1"]
     assert default_device(reg, model, config) == "gpu0"
@@ -427,7 +328,7 @@ def test_default_device_prefers_measured_on_then_affinity_then_first_gpu() -> No
 
 
 async def test_load_that_would_evict_refuses_an_empty_signature_touching_nothing(
-    host: MemoryHost, units: UnitManager
+    host: ListHost, units: UnitManager
 ) -> None:
     # beta only fits by stopping alpha; [] approves stopping nothing.
     with pytest.raises(Drifted, match=r"approved \[none\], now \[alpha/a1\]"):
@@ -437,13 +338,13 @@ async def test_load_that_would_evict_refuses_an_empty_signature_touching_nothing
     assert [r.state for r in host.live] == [ResidentState.HOT]
 
 
-async def test_load_refuses_a_stale_signature(host: MemoryHost, units: UnitManager) -> None:
+async def test_load_refuses_a_stale_signature(host: ListHost, units: UnitManager) -> None:
     with pytest.raises(Drifted, match=r"approved \[gamma/g1\], now \[alpha/a1\]"):
         await Enforcer(host, units).load("beta", ["gamma/g1"])
 
 
 async def test_unload_refuses_a_signature_that_is_not_what_would_stop(
-    host: MemoryHost, units: UnitManager
+    host: ListHost, units: UnitManager
 ) -> None:
     enforcer = Enforcer(host, units)
     with pytest.raises(Drifted, match=r"approved \[none\], now \[alpha/a1\]"):
@@ -458,53 +359,18 @@ async def test_unload_refuses_a_signature_that_is_not_what_would_stop(
 
 
 @dataclass
-class TokenRejectingHost(MemoryHost):
+class TokenRejectingHost(ListHost):
     """The proxy answers 401 on its in-flight route: our token is not its token."""
 
     async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
         raise ProxyTokenRejected("the proxy at http://127.0.0.1:9 refused ... (HTTP 401)")
 
 
-class LoadedUnits:
-    """Units that read as loaded (alpha running, beta stopped); any job is recorded."""
-
-    def __init__(self) -> None:
-        self.jobs: list[tuple[str, str]] = []
-
-    async def state(self, unit: str) -> UnitState:
-        active = unit == "alpha.service"
-        return UnitState(
-            "active" if active else "inactive",
-            "running" if active else "dead",
-            "loaded",
-            4242 if active else 0,
-            "/bin/true",
-            exec_paths=("/bin/true",),
-        )
-
-    def on_change(self, callback: object) -> None:
-        pass
-
-    async def stop_unit(self, unit: str, timeout_s: float) -> None:
-        self.jobs.append(("stop", unit))
-        raise AssertionError(f"stopped {unit}")
-
-    async def start_unit(self, unit: str, timeout_s: float) -> None:
-        self.jobs.append(("start", unit))
-        raise AssertionError(f"started {unit}")
-
-    async def pids(self, unit: str) -> list[int]:
-        return []
-
-    def close(self) -> None:
-        pass
-
-
 async def test_a_proxy_token_mismatch_fails_the_drain_at_once_and_stops_nothing() -> None:
     host = TokenRejectingHost(live=[resident("alpha", "a1", unit="alpha.service")])
     entry = park(host)
-    units = LoadedUnits()
-    enforcer = Enforcer(host, units)  # type: ignore[arg-type]  # the default 60 s drain
+    units = FakeUnits(active={"alpha.service": "active"})
+    enforcer = Enforcer(host, units)  # the default 60 s drain
 
     result = await enforcer.apply(entry, 1, ["alpha/a1"])
 

@@ -11,13 +11,8 @@ import pytest
 
 from uapplace.jsonfile import ConfigFileError
 from uapplace.model import Config, ConfigStatus, Envelope, parse_iso
-from uapplace.registry import (
-    ENVELOPE_MAX_AGE_DAYS,
-    envelope_staleness,
-    load_registry,
-    write_local_envelope,
-    write_local_measurement,
-)
+from uapplace.registry import ENVELOPE_MAX_AGE_DAYS, envelope_staleness, load_registry
+from uapplace.registry_write import write_local_envelope, write_local_measurement
 from uapplace.timeouts import Timeouts
 
 ENVELOPE = Envelope(

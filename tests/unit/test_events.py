@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncGenerator
 
 import pytest
 
@@ -36,6 +37,7 @@ async def take(log: EventLog, count: int, last_id: int | None) -> list[Event | G
     items: list[Event | Gap] = []
     async with asyncio.timeout(10):
         async for item in log.follow(last_id):
+            assert item is not None, "without idle_s, follow never yields a keepalive"
             items.append(item)
             if len(items) == count:
                 break
@@ -148,6 +150,7 @@ async def test_a_slow_reader_is_told_what_it_missed() -> None:
         log.publish_signal("Resolved", [f"plc-{index:06x}", "applied"])
     assert await anext(reader) == Gap(2, 4)
     assert [(await anext(reader)).id for _ in range(3)] == [5, 6, 7]  # type: ignore[union-attr]
+    assert isinstance(reader, AsyncGenerator)  # follow is one; the narrowing lets us close it
     await reader.aclose()
 
 

@@ -21,11 +21,10 @@ import pytest
 from rich.console import Console
 from rich.table import Table
 
-from uapplace import cli, jsonfile, textsafe
+from uapplace import cli_files, cli_session, jsonfile, textsafe
 from uapplace.alerts import AlertKind
-from uapplace.auto import AutoPolicy
-from uapplace.auto import load_policy as load_auto_policy
-from uapplace.capacity import load_policy as load_capacity_policy
+from uapplace.autopolicy import AutoPolicy, load_auto_policy
+from uapplace.capacity import load_capacity_policy
 from uapplace.controller import Controller
 from uapplace.jsonfile import ConfigFileError
 from uapplace.ledger import (
@@ -253,8 +252,8 @@ def test_the_daemon_starts_with_a_hostile_local_registry(tmp_path: Path, case: s
     paths = sandbox(tmp_path)
     put(paths.local_registry, HOSTILE[case])
     controller = Controller.open(paths)
-    assert controller.load.registry.models
-    assert REASONS[case] in controller.load.errors[0].message
+    assert controller.registry.models
+    assert REASONS[case] in controller.config.state.registry_load.errors[0].message
 
 
 @CASES
@@ -266,7 +265,7 @@ def test_validate_prints_the_named_error_not_a_traceback(
     put(paths.capacity_policy, HOSTILE[case])
     monkeypatch.setenv("UAPPLACE_CONFIG_DIR", str(paths.config_dir))
     monkeypatch.setenv("UAP_HOME", str(paths.uap_home))
-    report = cli._validate_locally()
+    report = cli_files.validate_locally()
     assert report["ok"] is False
     assert [f["file"] for f in report["findings"]] == [str(paths.repo_registry)]
     assert REASONS[case] in report["findings"][0]["message"]
@@ -537,7 +536,7 @@ def test_an_installed_console_strips_data_but_keeps_its_own_styling() -> None:
 
 
 def test_the_cli_consoles_are_installed() -> None:
-    for console in (cli.out, cli.err):
+    for console in (cli_session.out, cli_session.err):
         with console.capture() as captured:
             console.print("model \x1b]0;x\x07 from \x1b[2Jclient", markup=False)
         assert "\x1b" not in captured.get() and "\x07" not in captured.get()

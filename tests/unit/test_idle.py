@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from uapplace.admission import Admission
-from uapplace.auto import COOLDOWN_S, PolicyStore
+from uapplace.auto import COOLDOWN_S
+from uapplace.autopolicy import PolicyStore
 from uapplace.errors import NotFound
 from uapplace.idle import IdleSweep, endpoint_port, established_local_ports
 from uapplace.model import (
@@ -27,10 +28,12 @@ from uapplace.model import (
     ConfigStatus,
     Holder,
     Model,
+    PendingEntry,
     Registry,
     Resident,
     ResidentState,
 )
+from uapplace.standing import Cooldowns, UsageClocks
 
 T0 = 1_800_000_000.0
 WINDOW = 300
@@ -72,10 +75,13 @@ class Host:
     def __init__(self) -> None:
         self.admission = Admission(REGISTRY)
         self.residents: list[Resident] = []
-        self.usage: dict[str, float] = {}
-        self.cooldowns: dict[str, float] = {}
+        self.usage = UsageClocks(self.mark_dirty)
+        self.cooldowns = Cooldowns(self.mark_dirty)
         self.holds: dict[str, Holder] = {}
         self.writes = 0
+
+    def pending_entries(self) -> list[PendingEntry]:
+        return list(self.admission.pending.values())
 
     def residents_with_holders(
         self, inflight: Mapping[str, Sequence[Holder]] | None
@@ -196,7 +202,7 @@ async def test_a_gated_forward_resets_the_clock(rig: Rig) -> None:
     rig.host.residents = [resident("beta", QUIET_B)]
     rig.arm("beta")
     await rig.tick(T0)
-    rig.host.usage["beta"] = T0 + 200  # the controller's touch on a forward
+    rig.host.usage.touch("beta", T0 + 200)  # the controller's touch on a forward
     await rig.tick(T0 + WINDOW + 10)
     assert rig.unloader.calls == []
     await rig.tick(T0 + 200 + WINDOW)
@@ -219,7 +225,7 @@ async def test_a_missing_clock_is_seeded_never_evicting_the_already_idle(rig: Ri
 async def test_an_old_clock_counts_only_from_when_the_sweep_watched(rig: Rig) -> None:
     # A usage record restored from the ledger, from long before this sweep was armed.
     rig.host.residents = [resident("beta", QUIET_B)]
-    rig.host.usage["beta"] = T0 - 86400
+    rig.host.usage.touch("beta", T0 - 86400)
     rig.arm("beta")
     await rig.tick(T0)
     assert rig.unloader.calls == []
@@ -231,7 +237,7 @@ async def test_an_old_clock_counts_only_from_when_the_sweep_watched(rig: Rig) ->
 
 async def test_consent_granted_later_starts_a_fresh_window(rig: Rig) -> None:
     rig.host.residents = [resident("beta", QUIET_B)]
-    rig.host.usage["beta"] = T0 - 86400
+    rig.host.usage.touch("beta", T0 - 86400)
     rig.arm("alpha")
     await rig.tick(T0)
     rig.arm("alpha", "beta")
@@ -257,7 +263,8 @@ async def test_a_successful_unload_clears_the_clock_and_a_reload_starts_fresh(ri
 
 async def test_clocks_of_models_with_no_resident_are_pruned(rig: Rig) -> None:
     rig.host.residents = [resident("beta", QUIET_B)]
-    rig.host.usage.update({"alpha": T0 - 5, "retired": T0 - 50, "beta": T0})
+    for model, used in {"alpha": T0 - 5, "retired": T0 - 50, "beta": T0}.items():
+        rig.host.usage.touch(model, used)
     rig.arm("beta")
     await rig.tick(T0 + 1)
     assert rig.host.usage == {"beta": T0}
@@ -284,7 +291,7 @@ async def test_a_model_in_cooldown_is_skipped(rig: Rig) -> None:
     rig.host.residents = [resident("beta", QUIET_B)]
     rig.arm("beta")
     await rig.tick(T0)
-    rig.host.cooldowns["beta"] = T0 + WINDOW + 30
+    rig.host.cooldowns.start("beta", T0 + WINDOW + 30)
     report = await rig.tick(T0 + WINDOW)
     assert rig.unloader.calls == [] and "cooldown" in report.skipped["beta"]
     await rig.tick(T0 + WINDOW + 30)

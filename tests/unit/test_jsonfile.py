@@ -24,7 +24,6 @@ from uapplace.jsonfile import (
     read_capped_or_none,
     read_json,
 )
-from uapplace.registry import ConfigFileError as RegistryConfigFileError
 
 
 def nested_arrays(depth: int) -> str:
@@ -42,10 +41,6 @@ def write(tmp_path: Path, text: str | bytes, name: str = "file.json") -> Path:
     else:
         path.write_bytes(text)
     return path
-
-
-def test_the_error_is_one_class_under_both_names() -> None:
-    assert RegistryConfigFileError is ConfigFileError
 
 
 def test_a_plain_document_reads(tmp_path: Path) -> None:
@@ -206,6 +201,36 @@ def test_move_aside_never_overwrites_an_earlier_copy(tmp_path: Path) -> None:
     assert [t.read_text() for t in targets] == ["first", "second", "third"]
     assert len(set(targets)) == 3
     assert all(t.name.startswith("policy.json.corrupt-") for t in targets)
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    path = tmp_path / "out.json"
+    path.mkdir()  # the rename onto it fails
+    (path / "kept").write_text("x")
+    with pytest.raises(OSError):
+        atomic_write(path, "new\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+    assert (path / "kept").read_text() == "x"
+
+
+def test_mode_of_keeps_an_operators_mode_and_defaults_for_a_new_file(tmp_path: Path) -> None:
+    path = tmp_path / "model-registry.json"
+    assert jsonfile.mode_of(path, 0o644) == 0o644
+    path.write_text("{}")
+    path.chmod(0o640)
+    assert jsonfile.mode_of(path, 0o644) == 0o640
+    atomic_write(path, "{}\n", mode=jsonfile.mode_of(path, 0o644))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+
+
+def test_move_aside_to_a_named_target_replaces_it(tmp_path: Path) -> None:
+    path = tmp_path / "enforcement-journal.json"
+    target = tmp_path / "enforcement-journal.json.broken"
+    target.write_text("older")
+    path.write_text("{broken")
+    assert move_aside(path, target) == target
+    assert not path.exists()
+    assert target.read_text() == "{broken"
 
 
 def test_ledger_and_config_caps_are_documented_constants() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import multiprocessing
@@ -11,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
+from uapplace import ledger_schema
+from uapplace.alerts import Alert
 from uapplace.ledger import (
     Ledger,
     LedgerDoc,
@@ -445,9 +449,33 @@ def test_alerts_round_trip_through_the_ledger() -> None:
     from uapplace.alerts import AlertBoard, AlertKind, Severity
 
     board = AlertBoard(lambda: T0)
-    board.raise_(AlertKind.ROLLBACK_INCOMPLETE, Severity.CRITICAL, "gpu0", "empty", {"run": "r1"})
+    board.raise_alert(
+        AlertKind.ROLLBACK_INCOMPLETE, Severity.CRITICAL, "gpu0", "empty", {"run": "r1"}
+    )
     doc = full_doc()
     doc.alerts = board.active()
     back = doc_from_json(json.loads(json.dumps(doc_to_json(doc))))
     assert back.alerts == doc.alerts
     assert back.alerts[0].detail == {"run": "r1"}
+
+
+@pytest.mark.parametrize(
+    ("schema", "inside", "derived"),
+    [
+        (ledger_schema.ProcessJson, ProcessUsage, set()),
+        (ledger_schema.DeviceJson, DeviceReading, {"reserved_mib", "headroom_mib"}),
+        (ledger_schema.HolderJson, Holder, set()),
+        (ledger_schema.ResidentJson, Resident, set()),
+        (ledger_schema.VictimJson, Victim, set()),
+        (ledger_schema.OptionJson, Option, {"signature", "frees_mib"}),
+        (ledger_schema.PendingJson, PendingEntry, {"recommended"}),
+        (ledger_schema.AlertJson, Alert, set()),
+    ],
+)
+def test_each_file_item_names_its_fields_as_the_inside_type(
+    schema: type[BaseModel], inside: type[Any], derived: set[str]
+) -> None:
+    """The converters of ``ledger_schema`` pass fields on by name: a field the file model
+    adds must exist on the inside type, or be one the inside type derives (dropped)."""
+    inside_fields = {f.name for f in dataclasses.fields(inside)}
+    assert set(schema.model_fields) - derived <= inside_fields

@@ -3,7 +3,7 @@ call time, and entries parked while a swap runs are re-planned once it settles.
 
 The controller runs without a bus on real registry files, a real ledger and the
 simulated GPU. The in-flight source here is a small in-process
-:class:`~uapplace.controller.InflightSource` (the real proxy over HTTP is in
+:class:`~uapplace.ports.InflightSource` (the real proxy over HTTP is in
 tests/bus/test_live_pending.py); the planner is the real one, wrapped where a
 test must hold one plan back to force an interleaving.
 """
@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from uapplace import controller as controller_module
+from uapplace import views
 from uapplace.controller import Controller
 from uapplace.model import DEFAULT_CELLS, Holder, Plan, Resident, ResidentState
 from uapplace.paths import Paths
@@ -69,10 +70,13 @@ class Inflight:
     """What the proxy lists now; ``None`` = the proxy does not answer (unknown)."""
 
     def __init__(self) -> None:
-        self.targets: dict[str, list[Holder]] | None = {}
+        self.targets: dict[str, list[Holder]] | None = None
 
     async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
         return self.targets
+
+    async def check(self) -> tuple[str, str] | None:
+        return None
 
 
 class HeldBackPlanner:
@@ -119,9 +123,15 @@ def paths(tmp_path: Path) -> Paths:
 
 
 @pytest.fixture
-async def controller(paths: Paths) -> AsyncIterator[Controller]:
+def proxy() -> Inflight:
+    """The proxy's in-flight list; unknown (no answer) until a test says otherwise."""
+    return Inflight()
+
+
+@pytest.fixture
+async def controller(paths: Paths, proxy: Inflight) -> AsyncIterator[Controller]:
     """A controller with its background tasks (ledger writer, re-planner) running."""
-    made = Controller.open(paths)
+    made = Controller.open(paths, proxy=proxy)
     made.start_background()
     try:
         yield made
@@ -151,12 +161,11 @@ def resident(model: str, state: ResidentState) -> Resident:
 async def settle(controller: Controller) -> None:
     """Let the work scheduled after a park's answer (planning it) run to completion."""
     await asyncio.sleep(0)
-    while controller._background:
-        await asyncio.gather(*controller._background)
+    await controller.background_done()
 
 
 async def listed_entry(controller: Controller, placement_id: str) -> dict[str, Any]:
-    listed = await controller.pending_live_json()
+    listed = await views.pending_live_json(controller)
     entry: dict[str, Any] = next(e for e in listed["pending"] if e["id"] == placement_id)
     return entry
 
@@ -180,7 +189,7 @@ async def replanner_idle(controller: Controller) -> None:
 
     async def idle() -> None:
         while True:
-            if not controller._replan_wanted.is_set() and not controller._replan_lock.locked():
+            if controller.planning.idle:
                 return
             await asyncio.sleep(0.02)
 
@@ -199,10 +208,9 @@ def only_victim(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 async def test_victim_holders_and_in_flight_are_read_at_call_time(
-    controller: Controller,
+    controller: Controller, proxy: Inflight
 ) -> None:
-    proxy = Inflight()
-    controller.proxy = proxy
+    proxy.targets = {}
     controller.upsert_resident(resident("alpha", ResidentState.HOT))
     placement_id = controller.admit("beta", "asker", "", 0).placement_id
     await settle(controller)
@@ -239,12 +247,12 @@ async def test_victim_holders_and_in_flight_are_read_at_call_time(
 
 
 async def test_a_hold_taken_after_the_park_is_reflected_in_the_next_listing(
-    controller: Controller,
+    controller: Controller, proxy: Inflight
 ) -> None:
     """A held resident is never a victim: the listing right after a hold (before the
     debounced re-planner has run) no longer offers to stop it, and offers it again
     right after the release."""
-    controller.proxy = Inflight()
+    proxy.targets = {}
     controller.upsert_resident(resident("alpha", ResidentState.HOT))
     placement_id = controller.admit("beta", "asker", "", 0).placement_id
     await settle(controller)
@@ -252,7 +260,7 @@ async def test_a_hold_taken_after_the_park_is_reflected_in_the_next_listing(
 
     cookie = await controller.hold("alpha", "demo on stage", "org.example.App", "")
     assert (await listed_entry(controller, placement_id))["options"] == []
-    assert (await controller.preview("beta", 0))["options"] == []
+    assert (await views.preview(controller, "beta", 0))["options"] == []
 
     controller.release(cookie, "")
     only_victim(await listed_entry(controller, placement_id))
@@ -280,7 +288,7 @@ async def test_an_entry_parked_during_a_swap_gets_the_options_a_preview_shows_af
 
     await swap_alpha_for_beta(controller)
     options = await options_once_replanned(controller, placement_id)
-    preview = await controller.preview("alpha", 0)
+    preview = await views.preview(controller, "alpha", 0)
     assert preview["reason"] == "ok" and preview["options"]
     assert options == preview["options"]
     assert options[0]["signature"] == ["beta/beta-q8"]
@@ -307,5 +315,5 @@ async def test_a_park_planned_across_the_end_of_a_swap_is_replanned_after_it(
     await settle(controller)  # the park's plan, made mid-swap, has landed now
 
     options = await options_once_replanned(controller, placement_id)
-    preview = await controller.preview("alpha", 0)
+    preview = await views.preview(controller, "alpha", 0)
     assert options == preview["options"] and options[0]["signature"] == ["beta/beta-q8"]

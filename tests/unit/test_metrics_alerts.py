@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from uapplace.metrics import alert_gauges, state_gauges
+from uapplace.shim.metrics import alert_gauges, state_gauges
 
 
 def alert(kind: str, severity: str, count: int = 1) -> dict[str, object]:

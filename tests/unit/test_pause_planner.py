@@ -26,14 +26,9 @@ from uapplace.model import (
     Resident,
     ResidentState,
 )
-from uapplace.planner import (
-    CONSEQUENCES,
-    PlanInput,
-    consequence,
-    pause_consequence,
-    plan,
-    rank_options,
-)
+from uapplace.planner import PlanInput, plan
+from uapplace.ranking import rank_options
+from uapplace.victims import CONSEQUENCES, consequence, pause_consequence
 
 MEASURED_AT = "2026-10-08T14:02:00Z"
 CARD = Device("gpu0", DeviceKind.GPU, 24_576, 2_048)
@@ -373,7 +368,7 @@ def test_the_notification_labels_the_action_and_the_durations() -> None:
 
 
 def test_the_shims_expected_victims_carry_the_action() -> None:
-    from uapplace.shim import VictimRefBody, signature_of
+    from uapplace.shim.bodies import VictimRefBody, signature_of
 
     refs = [
         VictimRefBody.model_validate({"model": "coder", "config": "q4", "action": "pause"}),

@@ -24,7 +24,9 @@ from uapplace.peer import PeerListener, PeerRefused, connect_peer
 FORWARD = ("forward", "gpu0:http://127.0.0.1:8080", "", "")
 
 
-def answer(model: str, client: str, session: str, cells: int) -> tuple[str, str, str, str]:
+def answer(
+    model: str, client: str, session: str, cells: int, deadline_us: int = 0
+) -> tuple[str, str, str, str]:
     if model == "explode":
         raise DBusError("org.uap.Placement1.Error.Failed", "internal error: boom")
     return FORWARD if model == "alpha" else ("park", "", "plc-0a1b2c", f"{client}:{cells}")
@@ -78,7 +80,7 @@ async def test_admit_is_answered_over_the_socket(listener: PeerListener) -> None
     assert forward.message_type is MessageType.METHOD_RETURN
     assert (forward.signature, forward.body) == ("ssss", list(FORWARD))
     assert park.body == ["park", "", "plc-0a1b2c", "cli:40000"]
-    assert bus.unique_name.startswith(":uapplace.peer")
+    assert bus.unique_name is not None and bus.unique_name.startswith(":uapplace.peer")
 
 
 async def test_an_error_from_admit_is_its_named_error(listener: PeerListener) -> None:
@@ -142,7 +144,7 @@ async def test_close_drops_peers_and_removes_the_socket(listener: PeerListener) 
     await listener.close()
     with pytest.raises(EOFError):  # dbus-fast's word for "the other end closed"
         async with asyncio.timeout(10):
-            await bus.wait_for_disconnect()
+            await bus.wait_for_disconnect()  # type: ignore[no-untyped-call]
     assert not bus.connected
     assert not await asyncio.to_thread(listener.path.exists)
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 
 import pytest
 
+from uapplace.eviction import EvictionItem, minimal_eviction
 from uapplace.model import (
     Config,
     ConfigStatus,
@@ -25,15 +26,8 @@ from uapplace.model import (
     ResidentState,
     cost_mib,
 )
-from uapplace.planner import (
-    EvictionItem,
-    PlanInput,
-    affinity_match,
-    minimal_eviction,
-    plan,
-    plan_unload,
-    rank_options,
-)
+from uapplace.planner import PlanInput, plan, plan_unload
+from uapplace.ranking import affinity_match, rank_options
 
 MEASURED_AT = "2026-10-08T14:02:00Z"
 SESSION_CAP_CELLS = 114_688

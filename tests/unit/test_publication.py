@@ -20,7 +20,7 @@ from aiohttp import web
 
 from uapplace import verify
 from uapplace.admission import Admission
-from uapplace.alerts import AlertKind, Severity
+from uapplace.alerts import Alert, AlertBoard, AlertKind, Severity
 from uapplace.capacity import ServicePolicy
 from uapplace.controller import Controller
 from uapplace.ledger import LedgerDoc
@@ -37,9 +37,9 @@ from uapplace.model import (
     ResidentState,
 )
 from uapplace.paths import Paths
+from uapplace.publication import WRONG_ENGINE_FIRST_S, WRONG_ENGINE_MAX_S, verify_until_ok
 from uapplace.sim.engine import EngineOptions, FakeEngine
 from uapplace.sim.gpu import SimGpu, sim_uuid
-from uapplace.unitsync import WRONG_ENGINE_FIRST_S, WRONG_ENGINE_MAX_S, verify_until_ok
 
 NOW = 1_800_000_000.0
 A1 = Config(
@@ -183,8 +183,7 @@ async def test_a_restored_hot_resident_parks_warming_until_verified(
 async def settle(controller: Controller) -> None:
     """Let the work scheduled after a park's answer (planning it) run to completion."""
     await asyncio.sleep(0)
-    while controller._background:
-        await asyncio.gather(*controller._background)
+    await controller.background_done()
 
 
 async def test_a_burst_of_resident_changes_replans_the_pending_entries_once(
@@ -197,7 +196,7 @@ async def test_a_burst_of_resident_changes_replans_the_pending_entries_once(
         calls.append(len(controller.residents))
         replanned.set()
 
-    monkeypatch.setattr(controller, "replan_pending", counting)
+    monkeypatch.setattr(controller.planning, "replan_pending", counting)
     controller.start_background()
     try:
         await asyncio.wait_for(replanned.wait(), 5)  # the start-up re-plan
@@ -296,6 +295,7 @@ class Host:
     def __init__(self, residents: list[Resident]) -> None:
         self.list = residents
         self.alerts: list[tuple[AlertKind, Severity, str, str, Mapping[str, Any]]] = []
+        self.alert_board = AlertBoard(lambda: 0.0, self._note_alert)
 
     def registry(self) -> Registry:
         return REGISTRY
@@ -315,15 +315,10 @@ class Host:
     async def read_devices(self) -> Mapping[str, DeviceReading]:
         return {}
 
-    def raise_alert(
-        self,
-        kind: AlertKind,
-        severity: Severity,
-        subject: str,
-        message: str,
-        detail: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.alerts.append((kind, severity, subject, message, dict(detail or {})))
+    def _note_alert(self, alert: Alert) -> None:
+        self.alerts.append(
+            (alert.kind, alert.severity, alert.subject, alert.message, dict(alert.detail))
+        )
 
 
 async def test_a_wrong_engine_is_reported_once_and_rechecked_with_backoff(

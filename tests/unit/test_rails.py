@@ -205,7 +205,7 @@ def test_engine_flags_parse() -> None:
     options = parse_options(
         ["--port", "0", "--model-id", "m", "-np", "4", "--fail-route", "props", "--no-slots"]
     )
-    assert (options.slots, options.fail_routes, options.no_slots) == (4, {"props"}, True)
+    assert (options.slots, options.fail_routes, options.no_slots) == (4, frozenset({"props"}), True)
     with pytest.raises(SystemExit):
         parse_options(["--port", "0", "--model-id", "m", "--fail-route", "health"])
 
@@ -277,7 +277,7 @@ async def test_gate_cancelled_waiter_gives_its_turn_away() -> None:
     assert sems.waiting(TARGET) == 2
     for index in range(3):
         leave[index].set()
-        await until(lambda i=index: entered[i].is_set())
+        await until(entered[index].is_set)
     await until(lambda: sems.active(TARGET) == 0)
     assert sems.snapshot()[TARGET] == {"rails": 1, "active": 0, "waiting": 0}
 

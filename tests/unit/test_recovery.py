@@ -1,8 +1,8 @@
 """The start-up repair table of :mod:`uapplace.recovery`, row by row, over fakes.
 
 The units, engines and controller are in-memory fakes with the interfaces the
-repair uses (:class:`~uapplace.recovery.UnitControl`,
-:class:`~uapplace.recovery.EngineProbe`, :class:`~uapplace.recovery.RecoveryHost`);
+repair uses (:class:`~uapplace.seams.UnitControl`,
+:class:`~uapplace.seams.EngineProbe`, :class:`~uapplace.recovery_checks.RecoveryHost`);
 the journal is the real file. The fake units log every job, so the order
 "the new unit is down before a victim starts" is checked, not assumed. The same
 table against real units and a real SIGKILL: ``tests/systemd/test_crash_recovery.py``.
@@ -11,14 +11,14 @@ table against real units and a real SIGKILL: ``tests/systemd/test_crash_recovery
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from uapplace.alerts import AlertKind, Severity
+from uapplace.alerts import Alert, AlertBoard, AlertKind, Severity
 from uapplace.capacity import ServicePolicy
 from uapplace.engines import EngineError
 from uapplace.journal import Journal, RunRecord
@@ -34,7 +34,8 @@ from uapplace.model import (
     Resident,
     ResidentState,
 )
-from uapplace.recovery import Outcome, RecoveryReport, recover
+from uapplace.recovery import recover
+from uapplace.recovery_repair import Outcome, RecoveryReport
 from uapplace.timeouts import Timeouts
 from uapplace.units import JobOutcome, UnitState
 
@@ -133,6 +134,12 @@ class FakeUnits:
         self.states[name] = "inactive"
         return JobOutcome(name, "done", "/job/2")
 
+    async def pids(self, name: str) -> list[int]:
+        return [100] if self.states.get(name) == "active" else []
+
+    def on_change(self, callback: Callable[[str, UnitState], None]) -> None:
+        pass  # the repair reads states; it never follows them
+
 
 @dataclass
 class FakeEngines:
@@ -190,11 +197,15 @@ class FakeHost:
     free_mib: float = 24576.0
     processes: tuple[ProcessUsage, ...] = ()
     alerts: list[tuple[AlertKind, Severity, str, str, dict[str, Any]]] = field(default_factory=list)
+    alert_board: AlertBoard = field(init=False)
     resolved: list[tuple[str, str]] = field(default_factory=list)
     replans: int = 0
     policy: ServicePolicy | None = None
     configs: dict[str, Config] = field(default_factory=dict)
     """Model key → its one config, where a test needs the config's facts."""
+
+    def __post_init__(self) -> None:
+        self.alert_board = AlertBoard(lambda: 0.0, self._note_alert)
 
     def registry(self) -> Registry:
         models = {
@@ -240,16 +251,10 @@ class FakeHost:
         )
         return {"gpu0": reading}
 
-    def raise_alert(
-        self,
-        kind: AlertKind,
-        severity: Severity,
-        subject: str,
-        message: str,
-        detail: Mapping[str, Any] | None = None,
-    ) -> object:
-        self.alerts.append((kind, severity, subject, message, dict(detail or {})))
-        return None
+    def _note_alert(self, alert: Alert) -> None:
+        self.alerts.append(
+            (alert.kind, alert.severity, alert.subject, alert.message, dict(alert.detail))
+        )
 
     async def replan_pending(self) -> None:
         self.replans += 1

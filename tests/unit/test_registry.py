@@ -10,18 +10,11 @@ from typing import Any
 
 import pytest
 
+from uapplace.jsonfile import ConfigFileError
 from uapplace.model import DEFAULT_CELLS, Config, ConfigStatus, DeviceKind, cost_mib
-from uapplace.registry import (
-    ConfigFileError,
-    RegistryLoad,
-    load_registry,
-    local_measurements,
-    provenance_rows,
-    unit_file_name,
-    valid_unit_name,
-    write_local_device,
-    write_local_measurement,
-)
+from uapplace.registry import RegistryLoad, load_registry, local_measurements, provenance_rows
+from uapplace.registry_write import write_local_device, write_local_measurement
+from uapplace.unitnames import unit_file_name, valid_unit_name
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 
@@ -571,7 +564,7 @@ def test_write_local_measurement_replaces_the_config_whole(tmp_path: Path) -> No
 
 
 def leftovers(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+    return sorted(p.name for p in directory.iterdir() if ".tmp" in p.name)
 
 
 def test_invalid_measurement_leaves_the_old_file_untouched(tmp_path: Path) -> None:

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from uapplace import verify
+from uapplace import verify, views
 from uapplace.admission import Admission
-from uapplace.capacity import load_policy, validate
+from uapplace.capacity import load_capacity_policy, validate
 from uapplace.controller import Controller
 from uapplace.enforce_host import ControllerHost
 from uapplace.model import (
@@ -101,7 +101,7 @@ def sim_reading(
 
 
 def with_config(**changes: Any) -> dict[str, Any]:
-    doc = json.loads(json.dumps(REGISTRY))
+    doc: dict[str, Any] = json.loads(json.dumps(REGISTRY))
     config = doc["models"]["alpha"]["configs"]["a1"]
     for key, value in changes.items():
         if value is None:
@@ -154,7 +154,7 @@ def test_the_same_figures_in_the_local_file_count(tmp_path: Path) -> None:
 
 def test_validate_shows_provenance_truthfully(tmp_path: Path) -> None:
     controller = open_controller(tmp_path, local=None)
-    report = asyncio.run(controller.validate())
+    report = asyncio.run(views.validate(controller))
     row = next(r for r in report["provenance"] if r["entry"] == "$.models.alpha.configs.a1")
     assert row["source"] == "repo"
     assert row["measurement"].startswith("not counted: measured only in the repo file")
@@ -189,7 +189,7 @@ def test_a_measurement_from_another_device_is_unknown(
     assert result.reason is PreviewReason.NO_MEASURED_CONFIG
     decision, _ = Admission(gated.registry).decide("alpha", "t", None, None, NOW)
     assert decision.reason == ParkReason.NO_MEASURED_CONFIG.value
-    findings = validate(gated, load_policy(write(tmp_path / "policy.json", POLICY)))
+    findings = validate(gated, load_capacity_policy(write(tmp_path / "policy.json", POLICY)))
     error = next(f for f in findings if f.json_path == mismatch.json_path)
     assert error.severity == "error" and error.file == str(local)
 
@@ -236,7 +236,7 @@ def test_a_measurement_from_another_engine_build_is_unknown(tmp_path: Path) -> N
     config = loaded.registry.models["alpha"].configs["a1"]
     assert not config.is_measured
     assert "engine build 'b4100'" in config.untrusted and "'b4500'" in config.untrusted
-    findings = validate(loaded, load_policy(write(tmp_path / "policy.json", POLICY)))
+    findings = validate(loaded, load_capacity_policy(write(tmp_path / "policy.json", POLICY)))
     error = next(f for f in findings if f.json_path == "$.models.alpha.configs.a1.engine_build")
     assert error.severity == "error" and error.file == str(local)
 
@@ -245,9 +245,9 @@ def test_the_daemon_gates_on_the_card_it_probes(tmp_path: Path) -> None:
     """Controller.open reads the simulated GPU: a recorded UUID of another card is unknown."""
     doc = with_config(measured_device={"uuid": "GPU-measured-elsewhere", "total_mib": 24576})
     controller = open_controller(tmp_path, local=local_measurements(doc), registry=doc)
-    config = controller.load.registry.models["alpha"].configs["a1"]
+    config = controller.registry.models["alpha"].configs["a1"]
     assert not config.is_measured and "GPU-measured-elsewhere" in config.untrusted
-    report = asyncio.run(controller.validate())
+    report = asyncio.run(views.validate(controller))
     assert report["ok"] is False
     error = next(
         f
@@ -304,7 +304,7 @@ async def engine_reporting(kv: str) -> AsyncIterator[str]:
 
 async def metrics_verdict(controller: Controller, kv: str) -> str | None:
     """What verify-up's metrics check says of an engine reporting ``kv``."""
-    policy = ControllerHost(controller).service_policy(controller.load.registry.models["alpha"])
+    policy = ControllerHost(controller).service_policy(controller.registry.models["alpha"])
     assert policy is not None
     async with engine_reporting(kv) as url:
         return await verify.metrics_problem(policy, url, http_s=2.0)
@@ -312,7 +312,7 @@ async def metrics_verdict(controller: Controller, kv: str) -> str | None:
 
 async def test_a_truncated_policy_on_reload_keeps_the_last_good_one(tmp_path: Path) -> None:
     controller = open_controller(tmp_path, local=local_measurements(REGISTRY))
-    assert controller.policy_state == "loaded"
+    assert controller.config.state.policy_state == "loaded"
     assert await metrics_verdict(controller, "int8") is None
     policy_file = tmp_path / "config" / "capacity-policy.json"
     text = policy_file.read_text(encoding="utf-8")
@@ -320,11 +320,11 @@ async def test_a_truncated_policy_on_reload_keeps_the_last_good_one(tmp_path: Pa
 
     assert await controller.reload()
 
-    assert controller.policy_state == "last-good"
+    assert controller.config.state.policy_state == "last-good"
     refused = await metrics_verdict(controller, "f16")
     assert refused == "metricsMustMatch of service alpha-server: kv is 'f16', policy wants 'int8'"
     assert await metrics_verdict(controller, "int8") is None
-    report = await controller.validate()
+    report = await views.validate(controller)
     assert report["capacity_policy"]["state"] == "last-good"
     error = next(f for f in report["findings"] if f["file"] == str(policy_file))
     assert "invalid JSON" in error["message"]
@@ -336,12 +336,12 @@ async def test_with_no_good_policy_ever_loaded_verify_up_fails_closed(tmp_path: 
     controller = open_controller(
         tmp_path, local=local_measurements(REGISTRY), policy='{"services": [{"name": '
     )
-    assert controller.policy_state == "none"
+    assert controller.config.state.policy_state == "none"
     refusal = await metrics_verdict(controller, "int8")
     assert refusal is not None
     assert "no good capacity policy was ever loaded" in refusal
     assert "verify-up fails closed" in refusal
-    report = await controller.validate()
+    report = await views.validate(controller)
     assert report["ok"] is False
     assert report["capacity_policy"]["state"] == "none"
     assert "every verify-up refuses" in " ".join(f["message"] for f in report["findings"])
@@ -349,8 +349,8 @@ async def test_with_no_good_policy_ever_loaded_verify_up_fails_closed(tmp_path: 
 
 async def test_a_fixed_policy_file_is_taken_on_the_next_reload(tmp_path: Path) -> None:
     controller = open_controller(tmp_path, local=local_measurements(REGISTRY), policy="{")
-    assert controller.policy_state == "none"
+    assert controller.config.state.policy_state == "none"
     (tmp_path / "config" / "capacity-policy.json").write_text(json.dumps(POLICY))
     assert await controller.reload()
-    assert controller.policy_state == "loaded"
+    assert controller.config.state.policy_state == "loaded"
     assert await metrics_verdict(controller, "int8") is None

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import pytest
 
 from uapplace.client import PlacementError
-from uapplace.metrics import ShimMetrics
-from uapplace.shim import (
+from uapplace.shim.bodies import (
     MISSING_SIGNATURE,
-    BusGateway,
-    HttpError,
     ModelBody,
     ResolveBody,
-    Shim,
-    ShimSettings,
     VictimRefBody,
     signature_of,
 )
+from uapplace.shim.gateway import BusGateway, BusWork
+from uapplace.shim.handlers import Shim
+from uapplace.shim.metrics import ShimMetrics
+from uapplace.shim.responses import HttpError
+from uapplace.shim.settings import ShimSettings
+
+T = TypeVar("T")
 
 DRIFTED = "victim set changed: approved [none], now [alpha/alpha-q4]; look at the preview again"
 
@@ -27,7 +31,9 @@ class DriftedGateway(BusGateway):
     def __init__(self) -> None:
         super().__init__("unix:path=/nonexistent", ShimMetrics())
 
-    async def call(self, method: str, deadline: float, work: object, **_: object) -> object:
+    async def call(
+        self, method: str, deadline: float, work: BusWork[T], *, via_peer: bool = False
+    ) -> T:
         raise PlacementError("org.uap.Placement1.Error.Drifted", DRIFTED)
 
 

@@ -28,32 +28,25 @@ from aiohttp.test_utils import TestServer, make_mocked_request
 
 from uapplace.client import PlacementError
 from uapplace.errors import Failed, unavailable
-from uapplace.metrics import Counter, Histogram, ShimMetrics, state_gauges
 from uapplace.model import DEFAULT_CELLS
-from uapplace.shim import (
+from uapplace.shim import main
+from uapplace.shim.access import (
     ADMIT_LOOPBACK_ONLY,
-    BODY_LIMIT,
-    ROUTES,
-    SHIM_KEY,
-    STATUS_BY_BUS_ERROR,
     TOKEN_HEADER,
-    U32_MAX,
-    BusGateway,
-    HttpError,
-    Shim,
-    ShimSettings,
-    apply_outcome,
-    bind_sockets,
     check_access,
-    create_app,
-    drifted_body,
-    encode_json,
     host_header_is_loopback,
     load_or_create_token,
-    main,
-    parse_admit,
     token_matches,
 )
+from uapplace.shim.app import SHIM_KEY, create_app
+from uapplace.shim.bodies import BODY_LIMIT, U32_MAX, parse_admit
+from uapplace.shim.gateway import BusGateway
+from uapplace.shim.handlers import STATUS_BY_BUS_ERROR, Shim, apply_outcome, drifted_body
+from uapplace.shim.metrics import Counter, Histogram, ShimMetrics, state_gauges
+from uapplace.shim.responses import HttpError, encode_json
+from uapplace.shim.routes import ROUTES
+from uapplace.shim.server import bind_sockets
+from uapplace.shim.settings import ShimSettings
 
 TOKEN = "test-token-0123456789"
 ROOT = Path(__file__).resolve().parents[2]
@@ -202,7 +195,8 @@ NETNS_PROBE = textwrap.dedent(
     import asyncio, json, subprocess, sys
     import aiohttp
     from aiohttp import web
-    from uapplace.shim import ShimSettings, create_app
+    from uapplace.shim.app import create_app
+    from uapplace.shim.settings import ShimSettings
 
     async def run() -> None:
         runner = web.AppRunner(create_app(ShimSettings(token="t", bus_address=sys.argv[1])))
@@ -880,7 +874,7 @@ async def test_enforcement_results_pass_through_as_200_and_are_counted(
     result: dict[str, Any], outcome: str
 ) -> None:
     shim = scripted_shim(result)
-    response = await shim.enforcement("load", "Load", "", lambda c: c.load("m"))
+    response = await shim.enforcement("load", "Load", "", lambda c: c.load("m", []))
     assert response.status == 200
     assert json.loads(response.body) == result  # type: ignore[arg-type]
     assert apply_outcome(result) == outcome

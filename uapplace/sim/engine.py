@@ -88,6 +88,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from uapplace.jsonfile import atomic_write
 from uapplace.sim.gpu import SimGpu, SimGpuError
 
 ENGINE_NAME = "uapplace-sim"
@@ -487,9 +488,7 @@ def _fork_orphan(options: EngineOptions) -> None:
         try:
             _claim(options, pid)
             if options.orphan_pidfile is not None:
-                temp = options.orphan_pidfile.with_name(options.orphan_pidfile.name + ".tmp")
-                temp.write_text(f"{pid}\n", encoding="ascii")
-                temp.replace(options.orphan_pidfile)
+                atomic_write(options.orphan_pidfile, f"{pid}\n", mode=0o644, sync=False)
             time.sleep(options.orphan_lifetime)
         finally:
             _release(pid)

@@ -63,7 +63,6 @@ import asyncio
 import hmac
 import json
 import secrets
-import signal
 import socket
 import sys
 import time
@@ -85,6 +84,8 @@ from uapplace.gate import (
 )
 from uapplace.model import iso
 from uapplace.paths import Paths
+from uapplace.sim import serving
+from uapplace.validation import first_error_text
 
 READY_PREFIX = "uapplace-gateproxy listening on "
 UNROUTABLE = "unroutable_target"
@@ -300,11 +301,8 @@ class GateProxy:
         try:
             body = AnthropicRequest.model_validate_json(await request.read())
         except ValidationError as err:
-            first = err.errors(include_url=False)[0]
-            where = ".".join(str(part) for part in first["loc"]) or "body"
-            return error_answer(
-                "anthropic", 400, f"{where}: {first['msg']}", "invalid_request_error"
-            )
+            text = first_error_text(err, "body")
+            return error_answer("anthropic", 400, text, "invalid_request_error")
         admitted = await self._admit(request, body.model)
         if isinstance(admitted, web.Response):
             return admitted
@@ -455,47 +453,12 @@ def _model_of(raw: bytes) -> str | None:
 # --------------------------------------------------------------------------- serving
 
 
-def bind_loopback(port: int = 0) -> socket.socket:
-    """A listening-ready socket on 127.0.0.1 (``port`` 0: a free one).
-
-    Bind first, serve later: the controller may need the proxy's URL before the
-    proxy can know the controller's (the daemon reads ``UAP_PROXY_URL`` at start).
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    sock.setblocking(False)
-    return sock
-
-
-def url_of(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://{host}:{port}"
-
-
 async def start(
     proxy: GateProxy, port: int = 0, *, sock: socket.socket | None = None
 ) -> tuple[web.AppRunner, str]:
-    """Serve ``proxy`` on ``sock``, else on 127.0.0.1:``port``; the runner and base URL."""
-    sock = sock or bind_loopback(port)
-    runner = web.AppRunner(proxy.app(), access_log=None)
-    await runner.setup()
-    await web.SockSite(runner, sock).start()
-    return runner, url_of(sock)
-
-
-async def _serve(proxy: GateProxy, port: int) -> int:
-    runner, url = await start(proxy, port)
-    print(f"{READY_PREFIX}{url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-    return 0
+    """Serve ``proxy`` on ``sock`` (:func:`uapplace.sim.serving.bind_loopback`), else on
+    127.0.0.1:``port``; the runner and base URL."""
+    return await serving.start(proxy.app(), port, sock=sock)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -534,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.default_upstream,
         single_upstream=args.single_upstream,
     )
-    return asyncio.run(_serve(proxy, args.port))
+    return asyncio.run(serving.serve_until_signalled(proxy.app(), args.port, READY_PREFIX))
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from uapplace import jsonfile
-from uapplace.jsonfile import ConfigFileError, atomic_write
-from uapplace.ledger import LockTimeout, describe_validation_error, exclusive_lock
+from uapplace.jsonfile import ConfigFileError, LockTimeout, atomic_write, exclusive_lock
+from uapplace.ledger import describe_validation_error
 
 SIM_UUID_PREFIX = "GPU-sim-"
 LOCK_TIMEOUT_S = 10.0

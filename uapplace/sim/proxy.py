@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from uapplace.model import iso
+from uapplace.sim import serving
 
 READY_PREFIX = "uapplace-sim-proxy listening on "
 
@@ -83,26 +83,7 @@ class FakeProxy:
 
 async def start(proxy: FakeProxy, port: int = 0) -> tuple[web.AppRunner, str]:
     """Serve ``proxy`` on 127.0.0.1 (``port`` 0: a free one); the runner and base URL."""
-    runner = web.AppRunner(proxy.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    host, bound = runner.addresses[0][:2]
-    return runner, f"http://{host}:{bound}"
-
-
-async def _serve(port: int) -> int:
-    runner, url = await start(FakeProxy(), port)
-    print(f"{READY_PREFIX}{url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-    return 0
+    return await serving.start(proxy.app(), port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error("--port: out of range")
-    return asyncio.run(_serve(args.port))
+    return asyncio.run(serving.serve_until_signalled(FakeProxy().app(), args.port, READY_PREFIX))
 
 
 if __name__ == "__main__":

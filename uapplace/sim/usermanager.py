@@ -217,7 +217,9 @@ def _kill_processes_in(cgroups: list[Path], patience: float = 5.0) -> list[int]:
     return sorted(pids)
 
 
-def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
+def terminate(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """SIGTERM ``proc`` and wait ``timeout`` seconds, then SIGKILL it; a no-op once it
+    has exited. Also the demo sandbox's clean-up for the processes it spawns."""
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
@@ -332,7 +334,7 @@ class ContainedUserManager:
     def stop(self) -> None:
         """Stop everything started; raise :class:`ContainmentError` if a cgroup stays."""
         if self._manager is not None:
-            _terminate(self._manager, self.stop_timeout)
+            terminate(self._manager, self.stop_timeout)
         self._manager = None
         leftovers = _kill_processes_in(self._created_cgroups)
         remaining: list[Path] = []

@@ -1,7 +1,9 @@
 """The shim's Prometheus metrics, in the text exposition format (version 0.0.4).
 
 Written by hand: three small collector types and a renderer, no client library.
-All state hangs off one :class:`ShimMetrics` the shim builds per app.
+All state hangs off one :class:`ShimMetrics` the shim builds per app (in its
+:class:`uapplace.shim.settings.ShimSettings`); the gateway and the handlers count
+into it, and ``GET /metrics`` renders it.
 
 What is counted where:
 

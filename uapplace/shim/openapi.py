@@ -3,6 +3,8 @@
 Request schemas of the operator routes come from the shim's own pydantic body
 models, so the document and the validation cannot drift apart; admit's body is
 written out because its rules are deliberately lenient (CONTRACT.md §1).
+Built on request by :meth:`uapplace.shim.handlers.Shim.openapi` from the route
+table and :data:`uapplace.shim.bodies.OPERATOR_BODIES`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-U32_MAX = 2**32 - 1
-TOKEN_HEADER = "x-uap-dashboard-token"
+from uapplace.shim.access import TOKEN_HEADER
+from uapplace.shim.bodies import BODY_LIMIT, U32_MAX
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -27,11 +29,11 @@ def _json_content(schema: Mapping[str, Any]) -> dict[str, Any]:
 def _errors(*statuses: int) -> dict[str, Any]:
     meaning = {
         400: "Invalid JSON, a wrong field type or an unknown field (the message names it)",
-        401: "Missing or wrong x-uap-dashboard-token",
+        401: f"Missing or wrong {TOKEN_HEADER}",
         403: "Not a loopback peer / Host, or the daemon's authorization said no",
         404: "Unknown placement id or model",
         409: "Busy (another enforcement or a held victim)",
-        413: "Request body over 10240 bytes",
+        413: f"Request body over {BODY_LIMIT} bytes",
         500: "The daemon failed without producing a result",
         502: "The daemon answered with an unexpected error",
         503: "The placement daemon is unreachable or did not answer in time, or it cannot "

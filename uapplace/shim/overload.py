@@ -1,0 +1,153 @@
+"""What keeps a flood of connections from taking the shim down (issue 11): the connection cap
+that answers ``503`` without reading a byte, the descriptor limit it fits under, and warnings
+that repeat once per interval instead of once per connection.
+
+Used by :func:`uapplace.shim.server.serve`: each listening socket becomes a
+:class:`GuardedSite` accepting through one :class:`ConnectionCap`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import resource
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from uapplace.shim.responses import encode_json
+
+log = logging.getLogger(__name__)
+
+ACCEPT_BACKLOG = 128
+FD_HEADROOM = 64
+"""Descriptors kept free beside the connections (bus, peer socket, logs, listeners)."""
+OVERLOAD_LOG_EVERY_S = 10.0
+
+_OVERLOAD_BODY = encode_json({"error": "uapplace-shim is at its connection limit; retry"})
+OVERLOAD_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\n"
+    b"Content-Type: application/json; charset=utf-8\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n"
+    + f"Content-Length: {len(_OVERLOAD_BODY)}\r\n\r\n".encode()
+    + _OVERLOAD_BODY
+)
+"""What a connection over the cap gets, without a byte of its request being read."""
+ACCEPT_EXHAUSTED = "socket.accept() out of system resource"
+
+
+class _Refusal(asyncio.Protocol):
+    """A connection over the cap: the 503 is written and the connection closed at once."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(OVERLOAD_RESPONSE)
+        transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+
+class RateLimitedWarning:
+    """One warning per :data:`OVERLOAD_LOG_EVERY_S` for a condition that repeats, with a count."""
+
+    def __init__(self) -> None:
+        self.logged_at = -OVERLOAD_LOG_EVERY_S
+        self.unreported = 0
+
+    def __call__(self, message: str, *args: object) -> None:
+        self.unreported += 1
+        now = time.monotonic()
+        if now - self.logged_at < OVERLOAD_LOG_EVERY_S:
+            return
+        log.warning(message + " (%d time(s) since the last report)", *args, self.unreported)
+        self.logged_at = now
+        self.unreported = 0
+
+
+class ConnectionCap:
+    """At most ``limit`` open HTTP connections; the rest get a 503 at once and are closed.
+
+    The count is aiohttp's own list of open connections, read as each new one is
+    accepted. Connections accepted in one loop turn join that list only when
+    they start, so the count can overshoot ``limit`` by at most the accept
+    backlog; :func:`connection_cap` leaves that much room below the descriptor
+    limit, so ``accept()`` itself does not run out of descriptors.
+    """
+
+    def __init__(self, server: web.Server, limit: int) -> None:
+        self.server = server
+        self.limit = limit
+        self.refused = 0
+        self._warn = RateLimitedWarning()
+
+    def protocol(self) -> asyncio.BaseProtocol:
+        """The protocol factory handed to ``loop.create_server``."""
+        if len(self.server.connections) >= self.limit:
+            self.refused += 1
+            self._warn("%d connections open: new ones are answered 503", self.limit)
+            return _Refusal()
+        return self.server()
+
+
+class GuardedSite(web.SockSite):
+    """aiohttp's ``SockSite`` accepting through a :class:`ConnectionCap`."""
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, cap: ConnectionCap) -> None:
+        super().__init__(runner, sock, backlog=ACCEPT_BACKLOG)
+        self.cap = cap
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with the runner
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self.cap.protocol, sock=self._sock, backlog=self._backlog
+        )
+
+
+def connection_cap(requested: int) -> int:
+    """``requested``, lowered to fit under ``RLIMIT_NOFILE`` with the backlog and headroom."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return requested
+    fits = max(1, soft - ACCEPT_BACKLOG - FD_HEADROOM)
+    if fits < requested:
+        log.warning(
+            "serving at most %d connections, not %d: the descriptor limit is %d "
+            "(raise LimitNOFILE= in the unit)",
+            fits,
+            requested,
+            soft,
+        )
+    return min(requested, fits)
+
+
+def raise_fd_limit() -> None:
+    """Soft ``RLIMIT_NOFILE`` up to the hard one (asyncio uses epoll: no FD_SETSIZE issue)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def quiet_accept_errors(warn: RateLimitedWarning) -> Callable[[Any, dict[str, Any]], None]:
+    """A loop exception handler that reports asyncio's EMFILE-on-accept once per interval.
+
+    asyncio logs that error once per connection waiting in the backlog, and
+    re-arms the listener once per failure: thousands of lines a second. The cap
+    should keep it from happening; if the process runs out of descriptors anyway
+    (other files), this keeps the journal readable.
+    """
+
+    def handler(loop: Any, context: dict[str, Any]) -> None:
+        if context.get("message") == ACCEPT_EXHAUSTED:
+            warn("accept() failed: %s; not accepting for 1 s", context.get("exception"))
+            return
+        loop.default_exception_handler(context)
+
+    return handler

@@ -1,0 +1,42 @@
+"""What one running shim is configured with: :class:`ShimSettings`, and the defaults of each knob.
+
+Built once by :func:`uapplace.shim.server.main` from the command line (tests build
+their own) and read by the app, the handlers and the server. The deadlines bound
+each bus call (the daemon unreachable or slower than that is a ``503``); the
+timeouts and the connection cap are the issue-11 limits on what one client may
+hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from uapplace.shim.metrics import ShimMetrics
+
+ADMIT_DEADLINE_S = 1.5
+"""Well inside the proxy's 2 s, so the proxy gets our 503 and falls back instead of hanging."""
+READ_DEADLINE_S = 10.0
+ENFORCEMENT_DEADLINE_S = 900.0
+HEADER_TIMEOUT_S = 10.0
+"""A connection must deliver a request's complete headers within this long of connecting
+(or of its previous response); it is also how long an idle keep-alive connection lives."""
+BODY_TIMEOUT_S = 10.0
+"""The most reading one request body may take (a 10 KiB body is milliseconds on loopback)."""
+MAX_CONNECTIONS = 512
+"""Open HTTP connections served at once; more are answered 503 and closed at once."""
+
+
+@dataclass
+class ShimSettings:
+    token: str
+    bus_address: str
+    peer_socket: Path | None = None
+    """uapplaced's Admit-only peer socket; ``None``: admit over the bus only."""
+    admit_deadline: float = ADMIT_DEADLINE_S
+    read_deadline: float = READ_DEADLINE_S
+    enforcement_deadline: float = ENFORCEMENT_DEADLINE_S
+    metrics: ShimMetrics = field(default_factory=ShimMetrics)
+    header_timeout: float = HEADER_TIMEOUT_S
+    body_timeout: float = BODY_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
