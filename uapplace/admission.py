@@ -142,7 +142,7 @@ def served_ids(registry: Registry, resident: Resident) -> tuple[str, ...]:
     """The ids a resident answers to: model key, config key, the model's advertised ids."""
     model = registry.models.get(resident.model)
     if model is None:
-        resolved = registry.resolve(resident.model)
+        resolved = registry.lookup(resident.model)
         model = resolved[0] if resolved is not None else None
     advertised = model.advertises if model is not None else ()
     return (resident.model, resident.config, *advertised)

@@ -183,7 +183,7 @@ class AutoRunner:
             return None
         if plan.reason is not PreviewReason.OK or not plan.options:
             return None
-        resolved = self._registry().resolve(entry.requested_model)
+        resolved = self._registry().lookup(entry.requested_model)
         if resolved is None:
             return None
         model = resolved[0].key

@@ -247,7 +247,7 @@ def _check_models(registry: Registry, key: str, names: Sequence[str]) -> None:
     for name in names:
         if name in registry.models:
             continue
-        resolved = registry.resolve(name)
+        resolved = registry.lookup(name)
         if resolved is not None:
             raise InvalidArgument(
                 f"{key}: {name!r} is an id of model {resolved[0].key!r}; the allowlists "

@@ -158,7 +158,7 @@ def envelope_steps(model: str, config: str) -> list[str]:
         registry = load_registry(paths.repo_registry, paths.local_registry).registry
     except ConfigFileError:
         registry = None
-    resolved = registry.resolve(model) if registry is not None else None
+    resolved = registry.lookup(model) if registry is not None else None
     found = resolved[0] if resolved else None
     chosen = found.configs.get(config) if found is not None and config else None
     unit = (found.unit_for(chosen) if chosen else found.unit) if found else None

@@ -87,7 +87,7 @@ class ConfigState:
 
     def model_named(self, model: str) -> Model:
         """The registry model a model key, config key or served id names (``UnknownModel``)."""
-        resolved = self.registry.resolve(model)
+        resolved = self.registry.lookup(model)
         if resolved is None:
             load = self.registry_load
             raise UnknownModel(

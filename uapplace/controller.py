@@ -272,7 +272,7 @@ class Controller:
         """The registry key a requested id names (itself when no model has it); cached."""
         key = self._usage_keys.get(requested)
         if key is None:
-            resolved = self.registry.resolve(requested)
+            resolved = self.registry.lookup(requested)
             key = resolved[0].key if resolved is not None else requested
             self._usage_keys[requested] = key
         return key

@@ -119,7 +119,6 @@ class ControllerHost:
         """The controller's board: it records, signals, notifies and persists."""
         self.emit_step = controller.emit_step
         self.read_devices = controller.read_devices
-        self.plan_input = controller.plan_input
         self.plan_for = controller.plan_for
         self.service_policy = controller.service_policy
         self.resolve_served = controller.resolve_served

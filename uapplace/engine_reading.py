@@ -75,7 +75,7 @@ class EngineReader:
     def pick(self, registry: Registry, model: str, config: str) -> tuple[Model, Config]:
         """The model and config ``model``/``config`` mean: the named config, the pinned
         one, the resident's, or the only one; otherwise the argument is refused."""
-        resolved = registry.resolve(model)
+        resolved = registry.lookup(model)
         if resolved is None:
             raise UnknownModel(f"model {model!r} is in no registry file")
         found, pinned = resolved

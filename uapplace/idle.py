@@ -244,7 +244,7 @@ class IdleSweep:
         for entry in self.host.pending_entries():
             if entry.expired(now):
                 continue
-            resolved = registry.resolve(entry.requested_model)
+            resolved = registry.lookup(entry.requested_model)
             key = resolved[0].key if resolved is not None else entry.requested_model
             if key == model:
                 return True

@@ -244,7 +244,7 @@ class Registry:
     routes by nothing else (the stock UAP proxy; :mod:`uapplace.topology`). ``None``:
     the proxy routes by ``target_id``."""
 
-    def resolve(self, model_id: str) -> tuple[Model, Config | None] | None:
+    def lookup(self, model_id: str) -> tuple[Model, Config | None] | None:
         """The model a requested id names: by model key, advertised id or config key.
 
         A config key pins that config; otherwise the config is the planner's choice.

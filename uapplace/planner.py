@@ -112,7 +112,7 @@ def plan(
     if cells <= 0:
         raise ValueError(f"cells: must be a positive integer, got {cells}")
     reuse = tuple(_reuse_options(inp, requested))
-    resolved = inp.registry.resolve(requested) if requested else None
+    resolved = inp.registry.lookup(requested) if requested else None
     if resolved is None:
         reason = PreviewReason.OK if reuse else PreviewReason.NOT_IN_REGISTRY
         return Plan(requested, reason, reuse, ())

@@ -81,7 +81,7 @@ async def load_target(
 ) -> Target:
     """``Load``: the planner's recommended option now, if it stops what was approved."""
     registry = host.registry()
-    if registry.resolve(model) is None:
+    if registry.lookup(model) is None:
         raise _refuse(run, UnknownModel(f"model {model!r} is in no registry file"))
     fresh = await host.plan_for(model, cells)
     if not fresh.options:
@@ -109,7 +109,7 @@ async def unload_target(
 ) -> Target:
     """``Unload``: every resident serving ``model``, if that is what was approved."""
     registry = host.registry()
-    resolved = registry.resolve(model)
+    resolved = registry.lookup(model)
     if resolved is None:
         raise _refuse(run, UnknownModel(f"model {model!r} is in no registry file"))
     found = resolved[0]

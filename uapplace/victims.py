@@ -29,7 +29,7 @@ def model_of(registry: Registry, resident: Resident) -> Model | None:
     found = registry.models.get(resident.model)
     if found is not None:
         return found
-    resolved = registry.resolve(resident.model)
+    resolved = registry.lookup(resident.model)
     return resolved[0] if resolved is not None else None
 
 
