@@ -48,14 +48,13 @@ from typing import Any
 
 from dbus_fast import Message, MessageType
 
-from uapplace.alerts import Alert
 from uapplace.client import PlacementClient, PlacementError
 from uapplace.controller import Controller
 from uapplace.engines import ProxyClient
 from uapplace.holds import ProxyHolders
-from uapplace.model import Decision, PendingEntry
+from uapplace.model import Decision
 from uapplace.paths import INTERFACE, Paths
-from uapplace.ports import ResidentRow
+from uapplace.ports import NoEvents
 from uapplace.sandbox import CODER, WRITER, DemoModel, Sandbox, SandboxSpec
 from uapplace.sim.usermanager import can_contain
 from uapplace.units import UnitManager
@@ -213,7 +212,7 @@ async def over_the_bus(stack: AsyncExitStack, box: Sandbox) -> Enforcement:
     return enforcement
 
 
-class _StepEvents:
+class _StepEvents(NoEvents):
     """ControllerEvents for the in-process controller: only the steps matter here."""
 
     def __init__(self) -> None:
@@ -221,24 +220,6 @@ class _StepEvents:
 
     def on_enforcement_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
         self.on_step(step)
-
-    def on_parked(self, entry: PendingEntry) -> None:
-        pass
-
-    def on_resolved(self, placement_id: str, outcome: str) -> None:
-        pass
-
-    def on_resident_changed(self, row: ResidentRow) -> None:
-        pass
-
-    def on_pending_count(self, count: int) -> None:
-        pass
-
-    def on_residents(self, rows: list[ResidentRow]) -> None:
-        pass
-
-    def on_alert(self, alert: Alert) -> None:
-        pass
 
 
 async def in_process(stack: AsyncExitStack, box: Sandbox) -> Enforcement:
