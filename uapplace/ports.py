@@ -6,8 +6,8 @@ ones of a controller without a bus (``Controller.open``: tests, tools); tests pa
 has a do-nothing default where "nothing there" has a safe meaning (no proxy: in-flight
 unknown, which counts as busy; no notifier: no bubbles), so no slot is ``None`` and no
 caller checks for it. What really may be absent (the enforcer and the measurer, without
-a systemd user manager) is not here: it is attached once by
-:meth:`uapplace.controller.Controller.attach_enforcement`, see there why.
+a systemd user manager) is not here: it is attached once to the controller's
+``enforcement`` door (:meth:`uapplace.door.EnforcementDoor.attach`), see there why.
 """
 
 from __future__ import annotations
