@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import signal
 import statistics
 import subprocess
@@ -35,9 +33,16 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.annotations import DBusSignature, DBusStr, DBusUInt32
 from dbus_fast.service import ServiceInterface, dbus_method
 
-from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
-from uapplace.registry import local_measurements
-from uapplace.sim.gpu import SimGpu, sim_uuid
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.private_daemon import daemon_env, spawn_daemon, stop  # noqa: E402
+from tests.bus.burst import admit_call  # noqa: E402
+from tests.bus.dbusmock_fixtures import private_bus  # noqa: E402
+from tests.worlds.seed_docs import alpha_ledger, alpha_model  # noqa: E402
+from uapplace.paths import BUS_NAME  # noqa: E402
+from uapplace.sim.gpu import sim_uuid  # noqa: E402
 
 ECHO_NAME = "org.uap.BenchEcho"
 ECHO_PATH = "/org/uap/BenchEcho"
@@ -51,59 +56,9 @@ REGISTRY = {
         "gpu0": {"kind": "gpu", "total_mib": 24576, "reserved_mib": 1024, "uuid": sim_uuid(0)},
         "cpu0": {"kind": "cpu", "total_mib": 65536, "reserved_mib": 1024},
     },
-    "models": {
-        "alpha": {
-            "display": "Alpha",
-            "engine": "llama.cpp",
-            "unit": "uap-alpha",
-            "endpoint": "http://127.0.0.1:18080",
-            "rails": 1,
-            "configs": {
-                "alpha-q4": {
-                    "resident_gpu_mib": 8000,
-                    "host_rss_mib": 2000,
-                    "kv_resident_cells": 32768,
-                    "kv_mib_per_1k_cells": 10,
-                    "measured_at": "2026-01-01T00:00:00Z",
-                    "measured_on": "gpu0",
-                }
-            },
-        }
-    },
+    "models": {"alpha": alpha_model(rails=1)},
 }
-LEDGER = {
-    "version": 1,
-    "updated_at": "2026-01-01T00:00:00Z",
-    "residents": [
-        {
-            "model": "alpha",
-            "config": "alpha-q4",
-            "device": "gpu0",
-            "engine": "llama.cpp",
-            "endpoint": "http://127.0.0.1:18080",
-            "unit": "uap-alpha",
-            "state": "hot",
-            "gpu_mib": 8000,
-            "host_rss_mib": 2000,
-            "holders": [],
-            "since": "2026-01-01T00:00:00Z",
-        }
-    ],
-}
-BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>session</type>
-  <listen>unix:path={socket}</listen>
-  <auth>EXTERNAL</auth>
-  <policy context="default">
-    <allow user="*"/>
-    <allow own="*"/>
-    <allow send_destination="*" eavesdrop="true"/>
-    <allow eavesdrop="true"/>
-  </policy>
-</busconfig>
-"""
+LEDGER = alpha_ledger()
 
 
 # --------------------------------------------------------------------------- the echo service
@@ -132,14 +87,7 @@ async def serve_echo(address: str) -> None:
 
 
 def admit_message() -> Message:
-    return Message(
-        destination=BUS_NAME,
-        path=OBJECT_PATH,
-        interface=INTERFACE,
-        member="Admit",
-        signature="sssu",
-        body=["alpha", "bench-client", "bench-session", 32768],
-    )
+    return admit_call("alpha", "bench-client", "bench-session")
 
 
 def echo_message() -> Message:
@@ -201,46 +149,6 @@ def percentile(samples: list[float], fraction: float) -> float:
 # --------------------------------------------------------------------------- processes
 
 
-def start_bus(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
-    config = directory / "bus.conf"
-    config.write_text(BUS_CONFIG.format(socket=directory / "bus"))
-    process = subprocess.Popen(
-        ["dbus-daemon", f"--config-file={config}", "--nofork", "--print-address=1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
-    assert process.stdout is not None
-    address = process.stdout.readline().decode().strip()
-    if not address:
-        raise RuntimeError("dbus-daemon printed no address")
-    return process, address
-
-
-def daemon_env(directory: Path, address: str) -> dict[str, str]:
-    config, home = directory / "config", directory / "home"
-    config.mkdir()
-    home.mkdir()
-    (config / "model-registry.json").write_text(json.dumps(REGISTRY))
-    # Measured figures count only from the machine-local file (spec §4.1).
-    (home / "model-registry.json").write_text(json.dumps(local_measurements(REGISTRY)))
-    (config / "capacity-policy.json").write_text(json.dumps({"services": []}))
-    (home / "placement.json").write_text(json.dumps(LEDGER))
-    SimGpu(directory / "sim.json").create([("bench GPU", 24576)])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DBUS_", "UAP", "XDG_"))}
-    env.update(
-        {
-            "DBUS_SESSION_BUS_ADDRESS": address,
-            "UAP_HOME": str(home),
-            "UAPPLACE_CONFIG_DIR": str(config),
-            "UAPPLACE_SIM_GPU": str(directory / "sim.json"),
-            "UAPPLACE_SYSTEM_BUS_ADDRESS": "",
-            "UAP_PROXY_URL": "http://127.0.0.1:9",
-            "XDG_RUNTIME_DIR": str(directory),
-        }
-    )
-    return env
-
-
 async def wait_for_name(address: str, name: str, process: subprocess.Popen[bytes]) -> None:
     bus = await MessageBus(bus_address=address).connect()
     try:
@@ -263,16 +171,6 @@ async def wait_for_name(address: str, name: str, process: subprocess.Popen[bytes
             await asyncio.sleep(0.05)
     finally:
         bus.disconnect()
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 # --------------------------------------------------------------------------- main
@@ -323,23 +221,18 @@ async def compare(
 
 
 def run(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="bench-bus-") as raw:
-        directory = Path(raw)
-        bus, address = start_bus(directory)
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-bus-") as raw,
+        private_bus("session", Path(raw)) as address,
+    ):
         processes: list[subprocess.Popen[bytes]] = []
         try:
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "uapplace.daemon", "--log-level", "WARNING"],
-                    env=daemon_env(directory, address),
-                )
-            )
+            processes.append(spawn_daemon(daemon_env(Path(raw), address, REGISTRY, ledger=LEDGER)))
             processes.append(subprocess.Popen([sys.executable, __file__, "--serve-echo", address]))
             asyncio.run(compare(address, args, processes))
         finally:
             for process in processes:
                 stop(process)
-            stop(bus)
     return 0
 
 

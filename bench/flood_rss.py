@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,113 +35,27 @@ import psutil
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
-from uapplace.busio import connect
-from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
-from uapplace.registry import local_measurements
-from uapplace.sim.gpu import SimGpu
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.private_daemon import daemon_env, spawn_daemon, stop  # noqa: E402
+from tests.bus.burst import admit_call  # noqa: E402
+from tests.bus.dbusmock_fixtures import private_bus  # noqa: E402
+from tests.worlds.seed_docs import alpha_model  # noqa: E402
+from uapplace.busio import connect  # noqa: E402
+from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH  # noqa: E402
 
 STARTUP_TIMEOUT_S = 20.0
 EXPIRY_TICK_S = 5.0
-BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>session</type>
-  <listen>unix:path={socket}</listen>
-  <auth>EXTERNAL</auth>
-  <policy context="default">
-    <allow user="*"/>
-    <allow own="*"/>
-    <allow send_destination="*" eavesdrop="true"/>
-    <allow eavesdrop="true"/>
-  </policy>
-</busconfig>
-"""
-MEASURED = {
-    "host_rss_mib": 2000,
-    "kv_resident_cells": 32768,
-    "kv_mib_per_1k_cells": 10,
-    "measured_at": "2026-01-01T00:00:00Z",
-    "measured_on": "gpu0",
-}
 REGISTRY = {
     "version": 1,
     "devices": {"gpu0": {"kind": "gpu", "total_mib": 24576, "reserved_mib": 1024}},
-    "models": {
-        "alpha": {
-            "display": "Alpha",
-            "engine": "llama.cpp",
-            "unit": "uap-alpha",
-            "endpoint": "http://127.0.0.1:18080",
-            "configs": {"alpha-q4": {"resident_gpu_mib": 8000, **MEASURED}},
-        }
-    },
+    "models": {"alpha": alpha_model()},
 }
 
 
-# --------------------------------------------------------------------------- processes
-
-
-def start_bus(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
-    config = directory / "bus.conf"
-    config.write_text(BUS_CONFIG.format(socket=directory / "bus"))
-    process = subprocess.Popen(
-        ["dbus-daemon", f"--config-file={config}", "--nofork", "--print-address=1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
-    assert process.stdout is not None
-    address = process.stdout.readline().decode().strip()
-    if not address:
-        raise RuntimeError("dbus-daemon printed no address")
-    return process, address
-
-
-def daemon_env(directory: Path, address: str, ttl: float) -> dict[str, str]:
-    config, home = directory / "config", directory / "home"
-    config.mkdir()
-    home.mkdir()
-    (config / "model-registry.json").write_text(json.dumps(REGISTRY))
-    (home / "model-registry.json").write_text(json.dumps(local_measurements(REGISTRY)))
-    (config / "capacity-policy.json").write_text(json.dumps({"services": []}))
-    SimGpu(directory / "sim.json").create([("bench GPU", 24576)])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DBUS_", "UAP", "XDG_"))}
-    env.update(
-        {
-            "DBUS_SESSION_BUS_ADDRESS": address,
-            "UAP_HOME": str(home),
-            "UAPPLACE_CONFIG_DIR": str(config),
-            "UAPPLACE_SIM_GPU": str(directory / "sim.json"),
-            "UAPPLACE_SYSTEM_BUS_ADDRESS": "",
-            "UAPPLACE_TEST_PENDING_TTL_S": str(ttl),
-            "UAP_PROXY_URL": "http://127.0.0.1:9",
-            "XDG_RUNTIME_DIR": str(directory),
-        }
-    )
-    return env
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 # --------------------------------------------------------------------------- bus calls
-
-
-def admit(model: str, client: str, session: str) -> Message:
-    return Message(
-        destination=BUS_NAME,
-        path=OBJECT_PATH,
-        interface=INTERFACE,
-        member="Admit",
-        signature="sssu",
-        body=[model, client, session, 0],
-    )
 
 
 async def pending_count(bus: MessageBus) -> int:
@@ -228,10 +139,11 @@ async def measure(
     flooded = expired = baseline
     for round_ in range(1, args.rounds + 1):
         messages = [
-            admit(
+            admit_call(
                 f"{round_}{n:06d}".ljust(args.model_chars, "m"),
                 f"{round_}{n:06d}".ljust(1000, "c"),
                 "s" * 1000,
+                cells=0,
             )
             for n in range(args.admits)
         ]
@@ -241,7 +153,9 @@ async def measure(
         print(f"round {round_}: {args.admits} admits in {took:.1f} s: {counts}")
         await asyncio.sleep(2.0)  # the write-behind lands
         flooded = await point(f"after {args.admits} distinct admits")
-        huge = [admit("h" * 100_000 + str(n), f"huge-{n}", "") for n in range(args.huge)]
+        huge = [
+            admit_call("h" * 100_000 + str(n), f"huge-{n}", "", cells=0) for n in range(args.huge)
+        ]
         counts = await flood(address, huge, 2, 4)
         print(f"{args.huge} admits with 100 KB model ids: {counts}")
         await asyncio.sleep(2.0)
@@ -261,23 +175,20 @@ async def measure(
 
 
 def run(args: argparse.Namespace, directory: Path) -> int:
-    bus_process, address = start_bus(directory)
-    env = daemon_env(directory, address, args.ttl)
-    with (directory / "uapplaced.log").open("wb") as log:
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "uapplace.daemon", "--log-level", "WARNING"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        return asyncio.run(measure(args, address, daemon, directory / "home" / "placement.json"))
-    finally:
-        stop(daemon)
-        stop(bus_process)
-        tail = (directory / "uapplaced.log").read_text(errors="replace")[-1500:]
-        if tail.strip():
-            print(f"--- uapplaced log (tail) ---\n{tail}")
+    with private_bus("session", directory) as address:
+        ttl = {"UAPPLACE_TEST_PENDING_TTL_S": str(args.ttl)}
+        env = daemon_env(directory, address, REGISTRY, extra=ttl)
+        with (directory / "uapplaced.log").open("wb") as log:
+            daemon = spawn_daemon(env, log)
+        try:
+            return asyncio.run(
+                measure(args, address, daemon, directory / "home" / "placement.json")
+            )
+        finally:
+            stop(daemon)
+            tail = (directory / "uapplaced.log").read_text(errors="replace")[-1500:]
+            if tail.strip():
+                print(f"--- uapplaced log (tail) ---\n{tail}")
 
 
 def main() -> int:

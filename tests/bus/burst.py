@@ -56,14 +56,15 @@ class BurstResult:
         return self.answered / self.seconds if self.seconds else 0.0
 
 
-def admit_call(model: str, client: str) -> Message:
+def admit_call(model: str, client: str, session: str = "burst", cells: int = 32768) -> Message:
+    """``Admit(model, client, session, cells)`` to uapplaced (the bursts and the bus benches)."""
     return Message(
         destination=BUS_NAME,
         path=OBJECT_PATH,
         interface=INTERFACE,
         member="Admit",
         signature="sssu",
-        body=[model, client, "burst", 32768],
+        body=[model, client, session, cells],
     )
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 
 from tests.bus.dbusmock_fixtures import private_bus
+from tests.worlds.seed_docs import alpha_model, beta_model
 from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 from uapplace.registry import local_measurements
 from uapplace.sim.gpu import SimGpu, sim_uuid
@@ -57,13 +58,6 @@ SEEDED_ENDPOINT = f"http://127.0.0.1:{SEEDED_PORT}"
 """Where the seeded ledgers' ``alpha`` resident serves: :func:`seeded_engine` runs the fake
 engine there, because the daemon forwards only to a resident it verified (publication)."""
 
-MEASURED = {
-    "host_rss_mib": 2000,
-    "kv_resident_cells": 32768,
-    "kv_mib_per_1k_cells": 10,
-    "measured_at": "2026-01-01T00:00:00Z",
-    "measured_on": "gpu0",
-}
 TEST_REGISTRY: dict[str, Any] = {
     "version": 1,
     "devices": {
@@ -77,23 +71,8 @@ TEST_REGISTRY: dict[str, Any] = {
         "cpu0": {"kind": "cpu", "total_mib": 65536, "reserved_mib": 1024},
     },
     "models": {
-        "alpha": {
-            "display": "Alpha",
-            "engine": "llama.cpp",
-            "unit": "uap-alpha",
-            "endpoint": SEEDED_ENDPOINT,
-            "rails": 1,
-            "advertises": ["alpha-chat"],
-            "configs": {"alpha-q4": {"resident_gpu_mib": 8000, **MEASURED}},
-        },
-        "beta": {
-            "display": "Beta",
-            "engine": "llama.cpp",
-            "unit": "uap-beta",
-            "endpoint": "http://127.0.0.1:18081",
-            "rails": 1,
-            "configs": {"beta-q8": {"resident_gpu_mib": 20000, **MEASURED}},
-        },
+        "alpha": alpha_model(SEEDED_ENDPOINT, rails=1, advertises=["alpha-chat"]),
+        "beta": beta_model(),
         "gamma": {
             "display": "Gamma",
             "engine": "llama.cpp",

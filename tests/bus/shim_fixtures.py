@@ -34,6 +34,7 @@ from tests.bus.conftest import (
     wait_published,
     wait_until,
 )
+from tests.worlds.seed_docs import alpha_ledger
 from uapplace.paths import BUS_NAME
 
 STARTUP_TIMEOUT_S = 20.0
@@ -41,26 +42,7 @@ STOP_TIMEOUT_S = 15.0
 HTTP_TIMEOUT_S = 10.0
 LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
 
-SEEDED_RESIDENT: dict[str, Any] = {
-    "model": "alpha",
-    "config": "alpha-q4",
-    "device": "gpu0",
-    "engine": "llama.cpp",
-    "endpoint": SEEDED_ENDPOINT,
-    "unit": "uap-alpha",
-    "state": "hot",
-    "gpu_mib": 8000,
-    "host_rss_mib": 2000,
-    "holders": [],
-    "since": "2026-01-01T00:00:00Z",
-}
-SEEDED_LEDGER: dict[str, Any] = {
-    "version": 1,
-    "updated_at": "2026-01-01T00:00:00Z",
-    "residents": [SEEDED_RESIDENT],
-    "pending": [],
-    "usage": {},
-}
+SEEDED_LEDGER: dict[str, Any] = alpha_ledger(SEEDED_ENDPOINT)
 
 
 def without_guid(address: str) -> str:

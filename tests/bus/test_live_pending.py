@@ -34,6 +34,7 @@ from tests.bus.conftest import (
 )
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.bus.shim_fixtures import ShimProcess, request, start_shim
+from tests.worlds.seed_docs import alpha_ledger
 from uapplace.engines import INFLIGHT_PATH
 
 pytestmark = pytest.mark.bus
@@ -112,29 +113,7 @@ def daemon(tmp_path: Path, own_bus: str, proxy: tuple[FakeProxy, str]) -> Iterat
     """uapplaced with ``alpha`` resident (the seeded engine serves it), asking our proxy."""
     uap = make_env(tmp_path / "uap", own_bus)
     uap.env.update({"UAP_PROXY_URL": proxy[1], "PROXY_AUTH_TOKEN": PROXY_TOKEN})
-    uap.seed_ledger(
-        {
-            "version": 1,
-            "updated_at": "2026-01-01T00:00:00Z",
-            "residents": [
-                {
-                    "model": "alpha",
-                    "config": "alpha-q4",
-                    "device": "gpu0",
-                    "engine": "llama.cpp",
-                    "endpoint": SEEDED_ENDPOINT,
-                    "unit": "uap-alpha",
-                    "state": "hot",
-                    "gpu_mib": 8000,
-                    "host_rss_mib": 2000,
-                    "holders": [],
-                    "since": "2026-01-01T00:00:00Z",
-                }
-            ],
-            "pending": [],
-            "usage": {},
-        }
-    )
+    uap.seed_ledger(alpha_ledger(SEEDED_ENDPOINT))
     started = start_daemon(uap)
     try:
         wait_published(own_bus)

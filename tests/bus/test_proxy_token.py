@@ -9,8 +9,6 @@ it at once is in tests/unit/test_enforce_unit.py; it needs units to run).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from tests.bus.conftest import (
     make_env,
     start_daemon,
 )
-from uapplace.sim.gateproxy import READY_PREFIX
+from tests.worlds.gate_proxy import gate_proxy_process
 
 pytestmark = pytest.mark.bus
 
@@ -31,22 +29,8 @@ pytestmark = pytest.mark.bus
 @pytest.fixture
 def proxy_url(tmp_path: Path) -> Iterator[str]:
     env = {"PATH": "/usr/bin:/bin", "PROXY_AUTH_TOKEN": "right", "HOME": str(tmp_path)}
-    argv = [sys.executable, "-m", "uapplace.sim.gateproxy", "--controller", "http://127.0.0.1:9"]
-    process = subprocess.Popen(
-        [*argv, "--port", str(free_port())],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line.startswith(READY_PREFIX), line
-        yield line[len(READY_PREFIX) :].strip()
-    finally:
-        process.terminate()
-        process.wait(30)
+    with gate_proxy_process(env, "--port", str(free_port())) as url:
+        yield url
 
 
 @pytest.fixture

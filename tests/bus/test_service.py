@@ -27,6 +27,7 @@ from tests.bus.conftest import (
     wait_until,
 )
 from tests.bus.dbusmock_fixtures import private_bus
+from tests.worlds.seed_docs import alpha_ledger
 from uapplace.client import PlacementClient, PlacementError
 from uapplace.ledger import parse_ledger_text
 from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
@@ -399,22 +400,6 @@ async def test_hold_ends_when_the_holder_disconnects(
 # ------------------------------------------------------------------ lifecycle (own daemons)
 
 
-def seeded_resident() -> dict[str, Any]:
-    return {
-        "model": "alpha",
-        "config": "alpha-q4",
-        "device": "gpu0",
-        "engine": "llama.cpp",
-        "endpoint": SEEDED_ENDPOINT,
-        "unit": "uap-alpha",
-        "state": "hot",
-        "gpu_mib": 8000,
-        "host_rss_mib": 2000,
-        "holders": [],
-        "since": "2026-01-01T00:00:00Z",
-    }
-
-
 @pytest.fixture
 def exclusive_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A bus of the test's own, for a daemon of the test's own (one owner per bus)."""
@@ -426,15 +411,7 @@ def test_a_seeded_resident_forwards_and_its_use_is_recorded(
     tmp_path: Path, exclusive_bus: str
 ) -> None:
     uap = make_env(tmp_path, exclusive_bus)
-    uap.seed_ledger(
-        {
-            "version": 1,
-            "updated_at": "2026-01-01T00:00:00Z",
-            "residents": [seeded_resident()],
-            "pending": [],
-            "usage": {},
-        }
-    )
+    uap.seed_ledger(alpha_ledger(SEEDED_ENDPOINT))
     daemon = start_daemon(uap)
     try:
         wait_published(exclusive_bus)

@@ -8,6 +8,13 @@
 - ``unit_files``: writes unit files (fake engine or raw), and at the end of the
   test stops every unit it wrote, removes the files and reloads, so tests
   sharing the session manager do not see each other's units.
+- ``world_options``: keyword options for the world a test builds (empty unless a
+  test's module overrides it, or an indirect parametrize gives them).
+- ``built_world``: :mod:`tests.systemd.placement_world`'s machine, nothing started;
+  ``alpha_world``: the same with ``alpha`` started and a hot resident.
+- ``live``: :mod:`tests.systemd.live_world`'s machine (every part a real program).
+
+:data:`APPLY_STEPS` is what every successful apply reports, in order.
 """
 
 from __future__ import annotations
@@ -21,9 +28,12 @@ import sys
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.systemd import placement_world as placement
+from tests.systemd.live_world import LiveWorld, live_world
 from uapplace.sim.gpu import SimGpu, sim_uuid
 from uapplace.sim.usermanager import ContainedUserManager, can_contain
 from uapplace.units import UnitManager
@@ -31,6 +41,19 @@ from uapplace.units import UnitManager
 SIM_DEVICE_MIB = 24576
 GUARD_S = 20
 """Upper bound on any wait in this tier: a hang guard, never an assertion about speed."""
+APPLY_STEPS = [
+    "revalidate",
+    "preflight",
+    "mark-draining",
+    "drain",
+    "stop",
+    "verify-free",
+    "start",
+    "verify-up",
+    "refresh-proxy",
+    "resolve",
+]
+"""The steps of a successful apply that displaces a resident, in the order they are reported."""
 
 
 async def eventually(condition: Callable[[], bool], guard_s: float = GUARD_S) -> None:
@@ -167,3 +190,48 @@ async def unit_files(
         await units.stop_unit(name, timeout=15)
     files.remove_all()
     await units.reload()
+
+
+@pytest.fixture
+def world_options(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Options for the world a test builds; tests override it with indirect parametrize."""
+    return dict(getattr(request, "param", {}))
+
+
+@pytest.fixture
+async def built_world(
+    tmp_path: Path,
+    units: UnitManager,
+    unit_files: UnitFiles,
+    sim_gpu: SimGpu,
+    world_options: dict[str, Any],
+) -> AsyncIterator[placement.World]:
+    """The placement machine (``build_world`` with ``world_options``), closed at the end."""
+    built = await placement.build_world(tmp_path, units, unit_files, sim_gpu, **world_options)
+    try:
+        yield built
+    finally:
+        await placement.close_world(built)
+
+
+@pytest.fixture
+async def alpha_world(built_world: placement.World) -> placement.World:
+    """The placement machine with ``alpha`` started and hot: the resident an apply displaces."""
+    async with asyncio.timeout(placement.GUARD_S):
+        await built_world.start_alpha()
+    return built_world
+
+
+@pytest.fixture
+async def live(
+    user_manager: ContainedUserManager,
+    units: UnitManager,
+    unit_files: UnitFiles,
+    tmp_path: Path,
+    world_options: dict[str, Any],
+) -> AsyncIterator[LiveWorld]:
+    """The live machine (:func:`live_world` with ``world_options``), stopped at the end."""
+    async with live_world(
+        tmp_path, user_manager.bus_address, units, unit_files, **world_options
+    ) as world:
+        yield world

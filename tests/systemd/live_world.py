@@ -28,19 +28,21 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
 from tests.bus.shim_fixtures import ShimProcess, start_shim
-from tests.systemd.conftest import EngineUnit, UnitFiles
 from tests.systemd.placement_world import ALPHA_MIB, BETA_MIB, FAST, POLICY, registry_json
 from uapplace.paths import BUS_NAME
 from uapplace.sim import gateproxy, serving
 from uapplace.sim.gateproxy import GateProxy
 from uapplace.sim.gpu import SimGpu
 from uapplace.units import UnitManager
+
+if TYPE_CHECKING:  # conftest imports this module (its fixtures build the world): types only here
+    from tests.systemd.conftest import EngineUnit, UnitFiles
 
 GUARD_S = 30.0
 """Upper bound on any wait: a hang guard, never an assertion about speed."""

@@ -20,11 +20,10 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from tests.systemd.conftest import EngineUnit, UnitFiles
 from uapplace.alerts import Alert
 from uapplace.controller import Controller
 from uapplace.dropins import no_manager_to_reload
@@ -42,6 +41,9 @@ from uapplace.timeouts import Timeouts
 from uapplace.units import UnitManager, UnitState
 from uapplace.unitsync import UnitSync
 from uapplace.wiring import attach_enforcement
+
+if TYPE_CHECKING:  # conftest imports this module (its fixtures build the world): types only here
+    from tests.systemd.conftest import EngineUnit, UnitFiles
 
 GUARD_S = 30.0
 """Upper bound on any wait: a hang guard, never an assertion about speed."""
@@ -197,6 +199,16 @@ class World:
             return
         if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def step(result: dict[str, Any], name: str) -> dict[str, Any]:
+    """The step ``name`` of an enforcement result (the first, if it ran twice)."""
+    return next(s for s in result["steps"] if s["name"] == name)
+
+
+def step_names(result: dict[str, Any]) -> list[str]:
+    """An enforcement result's steps, by name, in the order they ran."""
+    return [s["name"] for s in result["steps"]]
 
 
 def registry_json(

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.systemd.conftest import APPLY_STEPS
 from uapplace.sandbox import UNIT_PREFIX
 from uapplace.sim.usermanager import CGROUP_ROOT, ContainedUserManager
 
@@ -34,18 +35,6 @@ DEMO_TIMEOUT_S = 240.0
 """A hang guard for one whole demo run; it takes seconds."""
 PLACEMENT_ID = re.compile(r"writer-13b: park (plc-[0-9a-f]{6}) \(reason: not_resident\)")
 SANDBOX = re.compile(r"sandbox: (/\S+)")
-STEPS = [
-    "revalidate",
-    "preflight",
-    "mark-draining",
-    "drain",
-    "stop",
-    "verify-free",
-    "start",
-    "verify-up",
-    "refresh-proxy",
-    "resolve",
-]
 
 
 def demo_env() -> dict[str, str]:
@@ -191,7 +180,7 @@ def test_the_demo_walks_through_a_park_and_an_applied_swap(
     assert f"The operator says yes: `uapplace apply {placement_id} 2`" in out
 
     shown = [m.group(1) for m in re.finditer(r"^\s+✓ ([a-z-]+)  ", out, re.MULTILINE)]
-    assert shown == STEPS, out
+    assert shown == APPLY_STEPS, out
     assert (
         f"resolve  removed coder-7b/q4_k_m; writer-13b/q5_k_m hot on gpu0; resolved {placement_id}"
         in out

@@ -9,21 +9,19 @@ internal routes refuse any other. The demo prints the token it uses.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 
+from tests.systemd.conftest import APPLY_STEPS
 from tests.systemd.test_demo import (
-    STEPS,
     DemoRun,
     assert_nothing_left,
     contained,  # noqa: F401 (a fixture)
     demo_env,
     ended_demo,  # noqa: F401 (a fixture)
 )
-from uapplace.sim.gateproxy import READY_PREFIX
+from tests.worlds.gate_proxy import gate_proxy_process
 
 pytestmark = pytest.mark.systemd
 
@@ -33,22 +31,8 @@ TOKEN = "outside-proxy-token"
 @pytest.fixture
 def outside_proxy() -> Iterator[str]:
     """The gate proxy as its own process, with its own token; its base URL."""
-    env = {**demo_env(), "PROXY_AUTH_TOKEN": TOKEN}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "uapplace.sim.gateproxy", "--controller", "http://127.0.0.1:9"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line.startswith(READY_PREFIX), line
-        yield line[len(READY_PREFIX) :].strip()
-    finally:
-        process.terminate()
-        process.wait(30)
+    with gate_proxy_process({**demo_env(), "PROXY_AUTH_TOKEN": TOKEN}) as url:
+        yield url
 
 
 def test_the_demo_behind_one_upstream_drives_an_outside_proxy(
@@ -67,7 +51,7 @@ def test_the_demo_behind_one_upstream_drives_an_outside_proxy(
     forwards = re.findall(r"(?:coder-7b|writer-13b): forward → gpu0:(http://127\.0\.0\.1:\d+)", out)
     assert forwards == [upstream.group(1)] * 2, out
     shown = [m.group(1) for m in re.finditer(r"^\s+✓ ([a-z-]+)  ", out, re.MULTILINE)]
-    assert shown == STEPS, out  # drain and refresh-proxy went to the outside proxy, with T
+    assert shown == APPLY_STEPS, out  # drain and refresh-proxy went to the outside proxy, with T
     assert "Hello from writer-13b." in out
     # The refresh answer of the gate proxy (the built-in fake's differs): it was asked.
     assert "cleared upstream_model_ids, park_bursts" in out

@@ -10,41 +10,23 @@ admitted target's endpoint. ``alpha`` is resident; ``beta`` needs it displaced.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.systemd.conftest import UnitFiles
-from tests.systemd.live_world import LiveWorld, live_world
+from tests.systemd.conftest import APPLY_STEPS
+from tests.systemd.live_world import LiveWorld
 from uapplace.gate import RESOLVE_WITH
-from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 
 CLIENT = {"x-uap-client-id": "e2e-client", "x-uap-session-id": "e2e-session"}
-STEPS = [
-    "revalidate",
-    "preflight",
-    "mark-draining",
-    "drain",
-    "stop",
-    "verify-free",
-    "start",
-    "verify-up",
-    "refresh-proxy",
-    "resolve",
-]
 
 
 @pytest.fixture
-async def world(
-    user_manager: ContainedUserManager, units: UnitManager, unit_files: UnitFiles, tmp_path: Path
-) -> AsyncIterator[LiveWorld]:
-    async with live_world(tmp_path, user_manager.bus_address, units, unit_files) as live:
-        yield live
+def world(live: LiveWorld) -> LiveWorld:
+    """The tier's live machine (conftest), every part a real program."""
+    return live
 
 
 async def ask(world: LiveWorld, path: str, body: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
@@ -116,7 +98,7 @@ async def test_park_then_operator_apply_then_the_retry_forwards(world: LiveWorld
     assert status == 200, applied
     assert applied["ok"] is True, applied
     assert applied["placementId"] == placement_id
-    assert [step["name"] for step in applied["steps"]] == STEPS
+    assert [step["name"] for step in applied["steps"]] == APPLY_STEPS
     assert all(step["ok"] for step in applied["steps"]), applied["steps"]
     refresh = next(step for step in applied["steps"] if step["name"] == "refresh-proxy")
     assert refresh["detail"] == "cleared upstream_model_ids, park_bursts"

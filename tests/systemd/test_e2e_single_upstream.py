@@ -18,49 +18,30 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.systemd.conftest import UnitFiles
-from tests.systemd.live_world import GUARD_S, LiveWorld, live_world
+from tests.systemd.conftest import APPLY_STEPS
+from tests.systemd.live_world import GUARD_S, LiveWorld
 from uapplace.events import parse_sse
-from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 
 CLIENT = {"x-uap-client-id": "single-upstream", "x-uap-session-id": "s1"}
-APPLY_STEPS = [
-    "revalidate",
-    "preflight",
-    "mark-draining",
-    "drain",
-    "stop",
-    "verify-free",
-    "start",
-    "verify-up",
-    "refresh-proxy",
-    "resolve",
-]
 
 
 @pytest.fixture
-async def world(
-    user_manager: ContainedUserManager, units: UnitManager, unit_files: UnitFiles, tmp_path: Path
-) -> AsyncIterator[LiveWorld]:
-    async with live_world(
-        tmp_path,
-        user_manager.bus_address,
-        units,
-        unit_files,
-        single_upstream=True,
-        mibs=(8000, 8000),
-    ) as live:
-        yield live
+def world_options() -> dict[str, Any]:
+    """One upstream for both engines, and footprints that fit the card together."""
+    return {"single_upstream": True, "mibs": (8000, 8000)}
+
+
+@pytest.fixture
+def world(live: LiveWorld) -> LiveWorld:
+    """The tier's live machine (conftest) with the options above."""
+    return live
 
 
 def chat(model: str) -> dict[str, Any]:

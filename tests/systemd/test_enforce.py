@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.systemd.conftest import UnitFiles
+from tests.systemd.conftest import APPLY_STEPS, UnitFiles
 from tests.systemd.placement_world import (
     ALPHA_MIB,
     BETA_MIB,
@@ -26,6 +25,7 @@ from tests.systemd.placement_world import (
     World,
     build_world,
     close_world,
+    step_names,
 )
 from uapplace import engines
 from uapplace.errors import Busy, Drifted
@@ -36,46 +36,13 @@ from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 
-SEQUENCE = [
-    "revalidate",
-    "preflight",
-    "mark-draining",
-    "drain",
-    "stop",
-    "verify-free",
-    "start",
-    "verify-up",
-    "refresh-proxy",
-    "resolve",
-]
 ALPHA_VICTIM = [VictimRef("alpha", "a1")]
 
 
 @pytest.fixture
-def world_options(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """Options for :func:`build_world`; tests override it with indirect parametrize."""
-    return dict(getattr(request, "param", {}))
-
-
-@pytest.fixture
-async def world(
-    tmp_path: Path,
-    units: UnitManager,
-    unit_files: UnitFiles,
-    sim_gpu: SimGpu,
-    world_options: dict[str, Any],
-) -> AsyncIterator[World]:
-    built = await build_world(tmp_path, units, unit_files, sim_gpu, **world_options)
-    try:
-        async with asyncio.timeout(GUARD_S):
-            await built.start_alpha()
-        yield built
-    finally:
-        await close_world(built)
-
-
-def step_names(result: dict[str, Any]) -> list[str]:
-    return [step["name"] for step in result["steps"]]
+def world(alpha_world: World) -> World:
+    """The tier's placement machine, ``alpha`` hot (conftest; ``world_options`` shapes it)."""
+    return alpha_world
 
 
 def allocations(world: World) -> list[float]:
@@ -111,10 +78,10 @@ async def test_displace_swap_stops_alpha_and_serves_beta(world: World) -> None:
     assert result["ok"] is True, result
     assert result["placementId"] == entry.id
     assert "rolledBack" not in result and "error" not in result
-    assert step_names(result) == SEQUENCE
+    assert step_names(result) == APPLY_STEPS
     assert all(step["ok"] for step in result["steps"])
     # Each step also went out as an EnforcementStep signal, in order, under one run id.
-    assert [s[1] for s in world.events.steps] == SEQUENCE
+    assert [s[1] for s in world.events.steps] == APPLY_STEPS
     assert {s[0] for s in world.events.steps} == {result["runId"]}
 
     assert await unit_state(world, world.alpha.name) == "inactive"

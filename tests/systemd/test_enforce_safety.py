@@ -15,26 +15,23 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from pystemd.dbuslib import DBusAddress
 
-from tests.systemd.conftest import UnitFiles
 from tests.systemd.placement_world import (
     ALPHA_MIB,
     FAST,
     GUARD_S,
     World,
-    build_world,
-    close_world,
+    step,
+    step_names,
 )
 from uapplace import engines, views
-from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
+from uapplace.sim.gpu import pid_alive, sim_uuid
 from uapplace.timeouts import Timeouts
-from uapplace.units import MANAGER_IFACE, MANAGER_PATH, SYSTEMD, UnitManager
+from uapplace.units import MANAGER_IFACE, MANAGER_PATH, SYSTEMD
 
 pytestmark = pytest.mark.systemd
 
@@ -42,34 +39,9 @@ ALPHA_VICTIM = ["alpha/a1"]
 
 
 @pytest.fixture
-def world_options(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """Options for :func:`build_world`; tests override it with indirect parametrize."""
-    return dict(getattr(request, "param", {}))
-
-
-@pytest.fixture
-async def world(
-    tmp_path: Path,
-    units: UnitManager,
-    unit_files: UnitFiles,
-    sim_gpu: SimGpu,
-    world_options: dict[str, Any],
-) -> AsyncIterator[World]:
-    built = await build_world(tmp_path, units, unit_files, sim_gpu, **world_options)
-    try:
-        async with asyncio.timeout(GUARD_S):
-            await built.start_alpha()
-        yield built
-    finally:
-        await close_world(built)
-
-
-def step(result: dict[str, Any], name: str) -> dict[str, Any]:
-    return next(s for s in result["steps"] if s["name"] == name)
-
-
-def step_names(result: dict[str, Any]) -> list[str]:
-    return [s["name"] for s in result["steps"]]
+def world(alpha_world: World) -> World:
+    """The tier's placement machine, ``alpha`` hot (conftest; ``world_options`` shapes it)."""
+    return alpha_world
 
 
 async def main_pid(world: World, unit: str) -> int:

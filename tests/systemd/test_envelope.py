@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -27,15 +25,12 @@ from tests.systemd.placement_world import (
     FAST,
     GUARD_S,
     World,
-    build_world,
-    close_world,
+    step,
 )
 from uapplace import engines, views
 from uapplace.engine_reading import MeasurementRefused
 from uapplace.model import Envelope
-from uapplace.sim.gpu import SimGpu
 from uapplace.timeouts import Timeouts
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 
@@ -45,23 +40,9 @@ WAKE_DELAY = 0.2
 
 
 @pytest.fixture
-def world_options(request: pytest.FixtureRequest) -> dict[str, Any]:
-    return dict(getattr(request, "param", {}))
-
-
-@pytest.fixture
-async def world(
-    tmp_path: Path,
-    units: UnitManager,
-    unit_files: UnitFiles,
-    sim_gpu: SimGpu,
-    world_options: dict[str, Any],
-) -> AsyncIterator[World]:
-    built = await build_world(tmp_path, units, unit_files, sim_gpu, **world_options)
-    try:
-        yield built
-    finally:
-        await close_world(built)
+def world(built_world: World) -> World:
+    """The tier's placement machine, nothing started (conftest; ``world_options`` shapes it)."""
+    return built_world
 
 
 def local_doc(world: World) -> dict[str, Any]:
@@ -73,10 +54,6 @@ def edit_local_config(world: World, model: str, config: str, **fields: Any) -> N
     doc = local_doc(world)
     doc["models"][model]["configs"][config].update(fields)
     world.paths.local_registry.write_text(json.dumps(doc), encoding="utf-8")
-
-
-def step(result: dict[str, Any], name: str) -> dict[str, Any]:
-    return next(s for s in result["steps"] if s["name"] == name)
 
 
 # --------------------------------------------------------------------------- measured

@@ -33,7 +33,7 @@ from dbus_fast.aio import MessageBus
 
 from tests.bus.conftest import DaemonProcess, make_env, start_daemon
 from tests.bus.dbusmock_fixtures import MockService, spawn_template
-from tests.systemd.conftest import EngineUnit, UnitFiles
+from tests.systemd.conftest import APPLY_STEPS, EngineUnit, UnitFiles
 from uapplace.client import PlacementClient
 from uapplace.paths import INTERFACE
 from uapplace.sim import proxy as sim_proxy
@@ -314,18 +314,7 @@ async def test_the_apply_button_runs_the_enforcement(machine: Machine) -> None:
     resolved = await machine.until("both parks resolved", both_resolved)
     assert resolved[first] == resolved[second] == "applied"
     steps = machine.signals.steps()
-    assert [s for s, _ok, _d in steps] == [
-        "revalidate",
-        "preflight",
-        "mark-draining",
-        "drain",
-        "stop",
-        "verify-free",
-        "start",
-        "verify-up",
-        "refresh-proxy",
-        "resolve",
-    ]
+    assert [s for s, _ok, _d in steps] == APPLY_STEPS
     assert all(ok for _s, ok, _d in steps), steps
     assert await machine.active("alpha") == "inactive"
     assert await machine.active("beta") == "active"

@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from controller_fixtures import registry, registry_paths
 
+from tests.worlds.seed_docs import alpha_model
 from uapplace import views
 from uapplace.alerts import Alert
 from uapplace.controller import Controller
@@ -28,35 +30,9 @@ from uapplace.model import (
 )
 from uapplace.paths import Paths
 from uapplace.ports import ResidentRow
-from uapplace.registry import local_measurements
 from uapplace.sim.engine import FakeEngine, parse_options
-from uapplace.sim.gpu import SimGpu, sim_uuid
 
-MEASURED = {
-    "host_rss_mib": 2000,
-    "kv_resident_cells": 32768,
-    "kv_mib_per_1k_cells": 10,
-    "measured_at": "2026-01-01T00:00:00Z",
-    "measured_on": "gpu0",
-}
-REGISTRY = {
-    "version": 1,
-    "devices": {
-        "gpu0": {"kind": "gpu", "total_mib": 24576, "reserved_mib": 1024, "uuid": sim_uuid(0)},
-        "cpu0": {"kind": "cpu", "total_mib": 65536, "reserved_mib": 1024},
-    },
-    "models": {
-        "alpha": {
-            "display": "Alpha",
-            "engine": "llama.cpp",
-            "unit": "uap-alpha",
-            "endpoint": "http://127.0.0.1:18080",
-            "rails": 1,
-            "advertises": ["alpha-chat"],
-            "configs": {"alpha-q4": {"resident_gpu_mib": 8000, **MEASURED}},
-        },
-    },
-}
+REGISTRY = registry({"alpha": alpha_model(rails=1, advertises=["alpha-chat"])})
 START = parse_iso("2026-06-01T12:00:00Z")
 
 
@@ -101,22 +77,7 @@ class Clock:
 
 @pytest.fixture
 def paths(tmp_path: Path) -> Paths:
-    config = tmp_path / "config"
-    config.mkdir()
-    (config / "model-registry.json").write_text(json.dumps(REGISTRY))
-    (tmp_path / "home").mkdir()
-    (tmp_path / "home" / "model-registry.json").write_text(json.dumps(local_measurements(REGISTRY)))
-    (config / "capacity-policy.json").write_text(json.dumps({"services": []}))
-    SimGpu(tmp_path / "sim.json").create([("sim", 24576)])
-    return Paths.from_env(
-        {
-            "HOME": str(tmp_path),
-            "UAP_HOME": str(tmp_path / "home"),
-            "UAPPLACE_CONFIG_DIR": str(config),
-            "UAPPLACE_SIM_GPU": str(tmp_path / "sim.json"),
-            "XDG_RUNTIME_DIR": str(tmp_path / "run"),
-        }
-    )
+    return registry_paths(tmp_path, REGISTRY)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import asyncio
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from http_fixtures import closed_port_url, serving
 
 from uapplace import engines
 from uapplace.engines import EngineError, ProxyClient, ProxyTokenRejected, parse_prometheus
@@ -29,19 +29,6 @@ from uapplace.sim.engine import READY_PREFIX, EngineOptions, FakeEngine
 from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
 
 # --------------------------------------------------------------------------- helpers
-
-
-@asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
 
 
 @asynccontextmanager
@@ -62,13 +49,6 @@ async def eventually(condition: Callable[[], bool], guard_s: float = 20) -> None
             if condition():
                 return
             await asyncio.sleep(0.02)
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 # --------------------------------------------------------------------------- engine probes

@@ -8,7 +8,6 @@ served in-process; the proxy is :class:`uapplace.sim.gateproxy.GateProxy`.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from http_fixtures import closed_port_url, serve
 
 from uapplace.gate import RESOLVE_WITH
 from uapplace.sim import gateproxy
@@ -44,14 +44,6 @@ class Controller:
         if self.answer is None:
             return web.json_response({"error": "down"}, status=500)
         return web.json_response(self.answer)
-
-
-async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    return runner, f"http://{host}:{port}"
 
 
 @dataclass
@@ -92,13 +84,6 @@ async def stack() -> AsyncIterator[Stack]:
         yield Stack(controller, engine_url, proxy, proxy_url, http)
     for runner in (proxy_runner, engine_runner, controller_runner):
         await runner.cleanup()
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 # --------------------------------------------------------------------------- forwarding

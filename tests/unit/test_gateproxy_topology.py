@@ -9,7 +9,6 @@ in-flight bucket.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from http_fixtures import closed_port_url, serve
 
 from uapplace.sim import gateproxy
 from uapplace.sim.engine import EngineOptions, FakeEngine
@@ -39,20 +39,6 @@ class Controller:
         if self.targets is None:
             return web.json_response({"error": "no such route"}, status=404)
         return web.json_response(self.targets)
-
-
-async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    return runner, f"http://{host}:{port}"
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 async def until(condition: Callable[[], bool], guard_s: float = 10) -> None:

@@ -11,56 +11,23 @@ test must hold one plan back to force an interleaving.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from controller_fixtures import registry, registry_paths
 
+from tests.worlds.seed_docs import ALPHA_ENDPOINT, alpha_model, beta_model
 from uapplace import controller as controller_module
 from uapplace import views
 from uapplace.controller import Controller
 from uapplace.model import DEFAULT_CELLS, Holder, Plan, Resident, ResidentState
 from uapplace.paths import Paths
 from uapplace.planner import PlanInput, plan
-from uapplace.registry import local_measurements
-from uapplace.sim.gpu import SimGpu, sim_uuid
 
-MEASURED = {
-    "host_rss_mib": 2000,
-    "kv_resident_cells": 32768,
-    "kv_mib_per_1k_cells": 10,
-    "measured_at": "2026-01-01T00:00:00Z",
-    "measured_on": "gpu0",
-}
-ALPHA_ENDPOINT = "http://127.0.0.1:18080"
-REGISTRY = {
-    "version": 1,
-    "devices": {
-        "gpu0": {"kind": "gpu", "total_mib": 24576, "reserved_mib": 1024, "uuid": sim_uuid(0)},
-        "cpu0": {"kind": "cpu", "total_mib": 65536, "reserved_mib": 1024},
-    },
-    "models": {
-        "alpha": {
-            "display": "Alpha",
-            "engine": "llama.cpp",
-            "unit": "uap-alpha",
-            "endpoint": ALPHA_ENDPOINT,
-            "rails": 1,
-            "configs": {"alpha-q4": {"resident_gpu_mib": 8000, **MEASURED}},
-        },
-        "beta": {
-            "display": "Beta",
-            "engine": "llama.cpp",
-            "unit": "uap-beta",
-            "endpoint": "http://127.0.0.1:18081",
-            "rails": 1,
-            "configs": {"beta-q8": {"resident_gpu_mib": 20000, **MEASURED}},
-        },
-    },
-}
+REGISTRY = registry({"alpha": alpha_model(rails=1), "beta": beta_model()})
 ALPHA_TARGET = f"gpu0:{ALPHA_ENDPOINT}"
 HANG_GUARD_S = 10.0
 """Only a bound on a hang: every wait below ends on a condition, never on a clock."""
@@ -104,22 +71,7 @@ class HeldBackPlanner:
 
 @pytest.fixture
 def paths(tmp_path: Path) -> Paths:
-    config = tmp_path / "config"
-    config.mkdir()
-    (config / "model-registry.json").write_text(json.dumps(REGISTRY))
-    (tmp_path / "home").mkdir()
-    (tmp_path / "home" / "model-registry.json").write_text(json.dumps(local_measurements(REGISTRY)))
-    (config / "capacity-policy.json").write_text(json.dumps({"services": []}))
-    SimGpu(tmp_path / "sim.json").create([("sim", 24576)])
-    return Paths.from_env(
-        {
-            "HOME": str(tmp_path),
-            "UAP_HOME": str(tmp_path / "home"),
-            "UAPPLACE_CONFIG_DIR": str(config),
-            "UAPPLACE_SIM_GPU": str(tmp_path / "sim.json"),
-            "XDG_RUNTIME_DIR": str(tmp_path / "run"),
-        }
-    )
+    return registry_paths(tmp_path, REGISTRY)
 
 
 @pytest.fixture

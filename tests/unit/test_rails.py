@@ -4,12 +4,12 @@ gate's per-target semaphore map (uapplace/gate.py ``TargetSemaphores``) sized fr
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import pytest
 from aiohttp import web
+from http_fixtures import closed_port_url, serving
 
 from uapplace.gate import TargetSemaphores, rails_map
 from uapplace.model import Model, Resident, ResidentState
@@ -31,18 +31,6 @@ _tasks: set[asyncio.Task[None]] = set()
 
 
 @asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
-
-
-@asynccontextmanager
 async def engine(*flags: str) -> AsyncIterator[str]:
     """The fake engine, parsed from its own command line, served in-process and loaded."""
     fake = FakeEngine(parse_options(["--port", "0", "--model-id", "m", *flags]))
@@ -60,12 +48,6 @@ async def metrics_server(text: str) -> AsyncIterator[str]:
     app.router.add_get("/metrics", metrics)
     async with serving(app) as url:
         yield url
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 async def until(condition: Callable[[], bool], guard_s: float = 10) -> None:

@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -281,7 +282,7 @@ class Scene:
 def scene(
     tmp_path: Path,
     record: RunRecord | None,
-    units: dict[str, str],
+    units: Mapping[str, str],
     residents: Sequence[Resident] = (),
 ) -> Scene:
     journal = Journal(tmp_path / "enforcement-journal.json")
@@ -292,6 +293,43 @@ def scene(
 
 
 DRAINING_ALPHA = replace(ALPHA, state=ResidentState.DRAINING)
+PAUSED_GAMMA = replace(GAMMA, state=ResidentState.PAUSED, gpu_mib=500.0)
+
+NEW_UP = MappingProxyType({"alpha.service": "inactive", "beta.service": "active"})
+"""The victim down and the new unit running: the swap got as far as its start."""
+VICTIM_UP = MappingProxyType({"alpha.service": "active", "beta.service": "inactive"})
+"""The victim still running and the new unit down: the swap stopped nothing yet."""
+BOTH_UP = MappingProxyType({"alpha.service": "active", "beta.service": "active"})
+BOTH_DOWN = MappingProxyType({"alpha.service": "inactive", "beta.service": "inactive"})
+
+
+def swap_scene(
+    tmp_path: Path,
+    step: str,
+    units: Mapping[str, str],
+    residents: Sequence[Resident] = (DRAINING_ALPHA,),
+    paused: Sequence[Resident] = (),
+) -> Scene:
+    """The swap most rows start from: ALPHA gives way to BETA, cut short at ``step``."""
+    return scene(tmp_path, run_record(step, paused=paused), units, residents)
+
+
+def wake_scene(tmp_path: Path, step: str) -> Scene:
+    """A wake run for the paused GAMMA that stopped ALPHA to make room, cut short at ``step``."""
+    record = run_record(step, victims=(ALPHA,), new=None, wake=PAUSED_GAMMA)
+    return scene(
+        tmp_path,
+        record,
+        {"alpha.service": "inactive", "gamma.service": "active"},
+        [DRAINING_ALPHA, PAUSED_GAMMA],
+    )
+
+
+async def recovered(s: Scene, outcome: Outcome) -> RecoveryReport:
+    """Run the repair once; every row names the outcome it must end in."""
+    report = await s.recover()
+    assert report is not None and report.outcome is outcome
+    return report
 
 
 # --------------------------------------------------------------------------- rows 0 and 1
@@ -312,9 +350,8 @@ async def test_row1_an_unreadable_journal_is_moved_aside_and_needs_a_human(
     s = scene(tmp_path, None, {})
     s.journal.path.write_text('{"version": 1, "run_id": ', encoding="utf-8")
 
-    report = await s.recover()
+    await recovered(s, Outcome.NEEDS_HUMAN)
 
-    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
     kind, severity, subject, message, _ = s.only_alert()
     assert (kind, severity, subject) == (
         AlertKind.RECOVERY_NEEDED,
@@ -334,16 +371,10 @@ async def test_row1_an_unreadable_journal_is_moved_aside_and_needs_a_human(
 async def test_row2_a_new_unit_up_and_verified_with_its_victims_down_finishes_the_run(
     tmp_path: Path, step: str
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record(step),
-        {"alpha.service": "inactive", "beta.service": "active"},
-        [DRAINING_ALPHA],
-    )
+    s = swap_scene(tmp_path, step, NEW_UP)
 
-    report = await s.recover()
+    await recovered(s, Outcome.FINISHED)
 
-    assert report is not None and report.outcome is Outcome.FINISHED
     assert s.host.states() == {"beta": "hot"}
     assert s.host.resolved == [("plc-000001", "applied")]
     assert s.units.jobs == []  # nothing to start or stop
@@ -365,9 +396,8 @@ async def test_row2_an_unload_whose_victims_are_all_down_is_finished(tmp_path: P
         [DRAINING_ALPHA, GAMMA],
     )
 
-    report = await s.recover()
+    await recovered(s, Outcome.FINISHED)
 
-    assert report is not None and report.outcome is Outcome.FINISHED
     assert s.host.states() == {}
     assert s.units.jobs == []
 
@@ -386,18 +416,12 @@ async def test_row2_an_unload_whose_victims_are_all_down_is_finished(tmp_path: P
 async def test_row3_a_new_unit_that_fails_verify_up_is_stopped_before_the_victim_restarts(
     tmp_path: Path, spoil: Any, why: str
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record("verify-up"),
-        {"alpha.service": "inactive", "beta.service": "active"},
-        [DRAINING_ALPHA],
-    )
+    s = swap_scene(tmp_path, "verify-up", NEW_UP)
     s.host.policy = ServicePolicy("beta-srv", None, {"kv": "int8"}, (), None)
     spoil(s.engines)
 
-    report = await s.recover()
+    await recovered(s, Outcome.ROLLED_BACK)
 
-    assert report is not None and report.outcome is Outcome.ROLLED_BACK
     assert s.units.jobs == ["stop beta.service", "start alpha.service"]
     assert s.host.states() == {"alpha": "hot"}
     assert s.host.resolved == []
@@ -409,16 +433,10 @@ async def test_row3_a_new_unit_that_fails_verify_up_is_stopped_before_the_victim
 async def test_row3_a_victim_running_beside_the_new_unit_keeps_the_device_and_the_new_stops(
     tmp_path: Path,
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record("verify-up"),
-        {"alpha.service": "active", "beta.service": "active"},
-        [DRAINING_ALPHA],
-    )
+    s = swap_scene(tmp_path, "verify-up", BOTH_UP)
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.ROLLED_BACK)
 
-    assert report is not None and report.outcome is Outcome.ROLLED_BACK
     assert s.units.jobs == ["stop beta.service"]
     assert s.host.states() == {"alpha": "hot"}  # the draining mark is lifted
     assert "two residents on one device" in report.message
@@ -428,16 +446,10 @@ async def test_row3_a_victim_running_beside_the_new_unit_keeps_the_device_and_th
 async def test_row4_a_run_that_was_rolling_back_is_rolled_back_even_if_the_new_unit_is_fine(
     tmp_path: Path, step: str
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record(step),
-        {"alpha.service": "inactive", "beta.service": "active"},
-        [DRAINING_ALPHA],
-    )
+    s = swap_scene(tmp_path, step, NEW_UP)
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.ROLLED_BACK)
 
-    assert report is not None and report.outcome is Outcome.ROLLED_BACK
     assert s.units.jobs == ["stop beta.service", "start alpha.service"]
     assert "already rolling back (verify-up: beta.service not healthy" in report.message
 
@@ -448,16 +460,11 @@ async def test_row4_a_run_that_was_rolling_back_is_rolled_back_even_if_the_new_u
 async def test_row5_a_new_unit_that_will_not_stop_leaves_the_victims_down_for_a_human(
     tmp_path: Path,
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record("rollback-stop"),
-        {"alpha.service": "inactive", "beta.service": "active"},
-    )
+    s = swap_scene(tmp_path, "rollback-stop", NEW_UP, residents=())
     s.units.refuse_stop.add("beta.service")
 
-    report = await s.recover()
+    await recovered(s, Outcome.NEEDS_HUMAN)
 
-    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
     assert s.units.jobs == ["stop beta.service"]  # alpha NOT started beside it
     kind, severity, _, message, _ = s.only_alert()
     assert (kind, severity) == (AlertKind.RECOVERY_NEEDED, Severity.CRITICAL)
@@ -472,16 +479,10 @@ async def test_row5_a_new_unit_that_will_not_stop_leaves_the_victims_down_for_a_
 async def test_row6_victims_all_running_and_the_new_unit_down_means_nothing_changed(
     tmp_path: Path, step: str
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record(step),
-        {"alpha.service": "active", "beta.service": "inactive"},
-        [DRAINING_ALPHA],
-    )
+    s = swap_scene(tmp_path, step, VICTIM_UP)
 
-    report = await s.recover()
+    await recovered(s, Outcome.NOTHING_CHANGED)
 
-    assert report is not None and report.outcome is Outcome.NOTHING_CHANGED
     assert s.units.jobs == []
     assert s.host.states() == {"alpha": "hot"}
     kind, severity, _, message, _ = s.only_alert()
@@ -495,9 +496,8 @@ async def test_row6_a_load_alongside_whose_unit_never_started_changed_nothing(
     record = run_record("start", kind="load", victims=())
     s = scene(tmp_path, record, {"beta.service": "inactive"})
 
-    report = await s.recover()
+    await recovered(s, Outcome.NOTHING_CHANGED)
 
-    assert report is not None and report.outcome is Outcome.NOTHING_CHANGED
     assert s.units.jobs == [] and s.host.states() == {}
 
 
@@ -515,9 +515,8 @@ async def test_row8_an_unload_cut_short_with_one_victim_still_up_restarts_the_ot
         [DRAINING_ALPHA, replace(GAMMA, state=ResidentState.DRAINING)],
     )
 
-    report = await s.recover()
+    await recovered(s, Outcome.ROLLED_BACK)
 
-    assert report is not None and report.outcome is Outcome.ROLLED_BACK
     assert s.units.jobs == ["start alpha.service"]
     assert s.host.states() == {"alpha": "hot", "gamma": "hot"}
 
@@ -526,16 +525,11 @@ async def test_row8_an_unload_cut_short_with_one_victim_still_up_restarts_the_ot
 async def test_row8_a_stopped_victim_is_restarted_and_verified_when_the_new_never_started(
     tmp_path: Path, step: str
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record(step),
-        {"alpha.service": "inactive", "beta.service": "inactive"},
-        [],  # the ledger may already have dropped it: the journal still knows it
-    )
+    # no residents: the ledger may already have dropped it; the journal still knows it
+    s = swap_scene(tmp_path, step, BOTH_DOWN, residents=())
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.ROLLED_BACK)
 
-    assert report is not None and report.outcome is Outcome.ROLLED_BACK
     assert s.units.jobs == ["start alpha.service"]
     assert s.host.states() == {"alpha": "hot"}
     assert "restarted alpha.service (alpha/a1 healthy again)" in report.message
@@ -547,17 +541,12 @@ async def test_row8_a_stopped_victim_is_restarted_and_verified_when_the_new_neve
 async def test_row9_memory_that_does_not_free_keeps_the_victims_down_and_names_the_holder(
     tmp_path: Path,
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record("verify-free"),
-        {"alpha.service": "inactive", "beta.service": "inactive"},
-    )
+    s = swap_scene(tmp_path, "verify-free", BOTH_DOWN, residents=())
     s.host.free_mib = 2000.0
     s.host.processes = (ProcessUsage(777, 22000.0, "orphan-engine"),)
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.NEEDS_HUMAN)
 
-    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
     assert s.units.jobs == []
     assert "pid 777 `orphan-engine` 22,000 MiB" in report.message
     kind, severity, _, _, _ = s.only_alert()
@@ -568,16 +557,11 @@ async def test_row10_a_victim_that_will_not_restart_needs_a_human_and_the_others
     tmp_path: Path,
 ) -> None:
     record = run_record("verify-free", victims=(ALPHA, GAMMA))
-    s = scene(
-        tmp_path,
-        record,
-        {"alpha.service": "inactive", "gamma.service": "inactive", "beta.service": "inactive"},
-    )
+    s = scene(tmp_path, record, {**BOTH_DOWN, "gamma.service": "inactive"})
     s.units.refuse_start.add("alpha.service")
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.NEEDS_HUMAN)
 
-    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
     assert s.units.jobs == ["start alpha.service", "start gamma.service"]
     assert s.host.states() == {"gamma": "hot"}
     assert "alpha.service: start job failed; unit failed/failed" in report.message
@@ -586,16 +570,11 @@ async def test_row10_a_victim_that_will_not_restart_needs_a_human_and_the_others
 async def test_row10_a_victim_that_restarts_but_never_turns_healthy_needs_a_human(
     tmp_path: Path,
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record("rollback-start"),
-        {"alpha.service": "inactive", "beta.service": "inactive"},
-    )
+    s = swap_scene(tmp_path, "rollback-start", BOTH_DOWN, residents=())
     s.engines.never_healthy.add(ALPHA_URL)
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.NEEDS_HUMAN)
 
-    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
     assert "alpha.service not healthy after 0.3s" in report.message
     assert s.host.states() == {}
 
@@ -603,24 +582,15 @@ async def test_row10_a_victim_that_restarts_but_never_turns_healthy_needs_a_huma
 # --------------------------------------------------------------------------- rows 11-14: pause
 
 
-PAUSED_GAMMA = replace(GAMMA, state=ResidentState.PAUSED, gpu_mib=500.0)
-
-
 @pytest.mark.parametrize("step", ["pause", "verify-free", "start"])
 async def test_row11_a_victim_the_run_put_to_sleep_is_woken_and_verified_before_it_is_hot(
     tmp_path: Path, step: str
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record(step, paused=(ALPHA,)),
-        {"alpha.service": "active", "beta.service": "inactive"},
-        [DRAINING_ALPHA],
-    )
+    s = swap_scene(tmp_path, step, VICTIM_UP, paused=(ALPHA,))
     s.engines.asleep.add(ALPHA_URL)
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.ROLLED_BACK)
 
-    assert report is not None and report.outcome is Outcome.ROLLED_BACK
     assert s.engines.levers == [f"wake {ALPHA_URL}"] and s.units.jobs == []
     assert ALPHA_URL not in s.engines.asleep
     assert s.host.states() == {"alpha": "hot"}
@@ -630,18 +600,12 @@ async def test_row11_a_victim_the_run_put_to_sleep_is_woken_and_verified_before_
 async def test_row11_a_sleeping_victim_that_will_not_wake_stays_paused_and_needs_a_human(
     tmp_path: Path,
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record("verify-free", paused=(ALPHA,)),
-        {"alpha.service": "active", "beta.service": "inactive"},
-        [DRAINING_ALPHA],
-    )
+    s = swap_scene(tmp_path, "verify-free", VICTIM_UP, paused=(ALPHA,))
     s.engines.asleep.add(ALPHA_URL)
     s.engines.refuse_wake.add(ALPHA_URL)
 
-    report = await s.recover()
+    await recovered(s, Outcome.NEEDS_HUMAN)
 
-    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
     assert s.host.states() == {"alpha": "paused"}  # never hot while asleep
     kind, severity, subject, message, _ = s.only_alert()
     assert (kind, severity, subject) == (
@@ -655,18 +619,12 @@ async def test_row11_a_sleeping_victim_that_will_not_wake_stays_paused_and_needs
 async def test_row11_a_woken_victim_that_fails_the_check_is_not_published(
     tmp_path: Path,
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record("start", paused=(ALPHA,)),
-        {"alpha.service": "active", "beta.service": "inactive"},
-        [DRAINING_ALPHA],
-    )
+    s = swap_scene(tmp_path, "start", VICTIM_UP, paused=(ALPHA,))
     s.engines.asleep.add(ALPHA_URL)
     s.engines.served[ALPHA_URL] = ["someone-else"]
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.NEEDS_HUMAN)
 
-    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
     assert s.host.states() == {}  # out of the ledger: the unit sync re-verifies it
     assert "alpha/a1 not published" in report.message and "serves [someone-else]" in report.message
 
@@ -674,17 +632,11 @@ async def test_row11_a_woken_victim_that_fails_the_check_is_not_published(
 async def test_a_running_victim_is_never_lifted_back_to_hot_without_passing_the_check(
     tmp_path: Path,
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record("stop"),
-        {"alpha.service": "active", "beta.service": "inactive"},
-        [DRAINING_ALPHA],
-    )
+    s = swap_scene(tmp_path, "stop", VICTIM_UP)
     s.engines.never_healthy.add(ALPHA_URL)
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.NEEDS_HUMAN)
 
-    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
     assert s.host.states() == {}
     assert "alpha/a1 not published: alpha.service not healthy after 0.3s" in report.message
 
@@ -692,17 +644,11 @@ async def test_a_running_victim_is_never_lifted_back_to_hot_without_passing_the_
 async def test_row12_a_victim_asleep_beside_the_verified_new_model_stays_paused(
     tmp_path: Path,
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record("verify-up", paused=(ALPHA,)),
-        {"alpha.service": "active", "beta.service": "active"},
-        [DRAINING_ALPHA],
-    )
+    s = swap_scene(tmp_path, "verify-up", BOTH_UP, paused=(ALPHA,))
     s.engines.asleep.add(ALPHA_URL)
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.FINISHED)
 
-    assert report is not None and report.outcome is Outcome.FINISHED
     assert s.host.states() == {"alpha": "paused", "beta": "hot"}
     assert s.engines.levers == [] and ALPHA_URL in s.engines.asleep  # not woken
     assert s.host.resolved == [("plc-000001", "applied")]
@@ -712,33 +658,20 @@ async def test_row12_a_victim_asleep_beside_the_verified_new_model_stays_paused(
 async def test_row12_a_paused_victim_found_awake_beside_the_new_unit_keeps_the_device(
     tmp_path: Path,
 ) -> None:
-    s = scene(
-        tmp_path,
-        run_record("verify-up", paused=(ALPHA,)),
-        {"alpha.service": "active", "beta.service": "active"},
-        [DRAINING_ALPHA],
-    )
+    s = swap_scene(tmp_path, "verify-up", BOTH_UP, paused=(ALPHA,))
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.ROLLED_BACK)
 
-    assert report is not None and report.outcome is Outcome.ROLLED_BACK
     assert s.units.jobs == ["stop beta.service"]
     assert s.host.states() == {"alpha": "hot"}
     assert "alpha/a1 is running too" in report.message
 
 
 async def test_row13_a_wake_run_whose_woken_engine_verifies_is_finished(tmp_path: Path) -> None:
-    record = run_record("wake", victims=(ALPHA,), new=None, wake=PAUSED_GAMMA)
-    s = scene(
-        tmp_path,
-        record,
-        {"alpha.service": "inactive", "gamma.service": "active"},
-        [DRAINING_ALPHA, PAUSED_GAMMA],
-    )
+    s = wake_scene(tmp_path, "wake")
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.FINISHED)
 
-    assert report is not None and report.outcome is Outcome.FINISHED
     assert s.host.states() == {"gamma": "hot"}
     assert s.host.resolved == [("plc-000001", "applied")]
     assert "published gamma/g1 hot" in report.message
@@ -747,18 +680,11 @@ async def test_row13_a_wake_run_whose_woken_engine_verifies_is_finished(tmp_path
 async def test_row14_a_wake_run_cut_short_before_the_wake_keeps_it_paused_and_rolls_back(
     tmp_path: Path,
 ) -> None:
-    record = run_record("wake", victims=(ALPHA,), new=None, wake=PAUSED_GAMMA)
-    s = scene(
-        tmp_path,
-        record,
-        {"alpha.service": "inactive", "gamma.service": "active"},
-        [DRAINING_ALPHA, PAUSED_GAMMA],
-    )
+    s = wake_scene(tmp_path, "wake")
     s.engines.asleep.add(GAMMA_URL)
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.ROLLED_BACK)
 
-    assert report is not None and report.outcome is Outcome.ROLLED_BACK
     assert s.host.states() == {"alpha": "hot", "gamma": "paused"}
     assert s.units.jobs == ["start alpha.service"]
     assert "gamma/g1 is asleep: kept paused" in report.message
@@ -767,18 +693,11 @@ async def test_row14_a_wake_run_cut_short_before_the_wake_keeps_it_paused_and_ro
 async def test_row14_a_wake_run_cut_short_before_the_wake_never_waits_for_it(
     tmp_path: Path,
 ) -> None:
-    record = run_record("verify-free", victims=(ALPHA,), new=None, wake=PAUSED_GAMMA)
-    s = scene(
-        tmp_path,
-        record,
-        {"alpha.service": "inactive", "gamma.service": "active"},
-        [DRAINING_ALPHA, PAUSED_GAMMA],
-    )
+    s = wake_scene(tmp_path, "verify-free")
     s.engines.asleep.add(GAMMA_URL)
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.ROLLED_BACK)
 
-    assert report is not None and report.outcome is Outcome.ROLLED_BACK
     assert "cut short at verify-free, before the wake" in report.message
     assert s.engines.levers == [] and s.host.states() == {"alpha": "hot", "gamma": "paused"}
 
@@ -786,17 +705,10 @@ async def test_row14_a_wake_run_cut_short_before_the_wake_never_waits_for_it(
 async def test_row14_a_woken_engine_failing_its_check_goes_back_to_sleep_first(
     tmp_path: Path,
 ) -> None:
-    record = run_record("rollback-sleep", victims=(ALPHA,), new=None, wake=PAUSED_GAMMA)
-    s = scene(
-        tmp_path,
-        record,
-        {"alpha.service": "inactive", "gamma.service": "active"},
-        [DRAINING_ALPHA, PAUSED_GAMMA],
-    )
+    s = wake_scene(tmp_path, "rollback-sleep")
 
-    report = await s.recover()
+    await recovered(s, Outcome.ROLLED_BACK)
 
-    assert report is not None and report.outcome is Outcome.ROLLED_BACK
     assert s.engines.levers == [f"sleep {GAMMA_URL}"]
     assert s.host.states() == {"alpha": "hot", "gamma": "paused"}
 
@@ -804,19 +716,12 @@ async def test_row14_a_woken_engine_failing_its_check_goes_back_to_sleep_first(
 async def test_row14_a_woken_engine_that_will_not_sleep_keeps_the_victims_down(
     tmp_path: Path,
 ) -> None:
-    record = run_record("wake", victims=(ALPHA,), new=None, wake=PAUSED_GAMMA)
-    s = scene(
-        tmp_path,
-        record,
-        {"alpha.service": "inactive", "gamma.service": "active"},
-        [DRAINING_ALPHA, PAUSED_GAMMA],
-    )
+    s = wake_scene(tmp_path, "wake")
     s.engines.served[GAMMA_URL] = ["not-gamma"]
     s.engines.refuse_sleep.add(GAMMA_URL)
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.NEEDS_HUMAN)
 
-    assert report is not None and report.outcome is Outcome.NEEDS_HUMAN
     assert s.units.jobs == []  # alpha NOT started beside an awake gamma
     assert s.host.states() == {}
     assert "gamma/g1 could not be seen asleep" in report.message
@@ -844,17 +749,11 @@ def test_the_pause_fields_survive_the_round_trip(tmp_path: Path) -> None:
 
 
 async def test_the_new_unit_is_waited_for_within_its_configs_own_bound(tmp_path: Path) -> None:
-    s = scene(
-        tmp_path,
-        run_record("verify-up"),
-        {"alpha.service": "inactive", "beta.service": "active"},
-        [DRAINING_ALPHA],
-    )
+    s = swap_scene(tmp_path, "verify-up", NEW_UP)
     s.host.configs["beta"] = Config("b1", ConfigStatus.MEASURED, start_timeout_s=0.5)
     s.engines.never_healthy.add(BETA_URL)
 
-    report = await s.recover()
+    report = await recovered(s, Outcome.ROLLED_BACK)
 
-    assert report is not None and report.outcome is Outcome.ROLLED_BACK
     assert "not healthy after 0.5s" in report.message  # not FAST.verify_up_s (0.3 s)
     assert "start_timeout_s of beta/b1" in report.message

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
+from http_fixtures import serving
 
 from uapplace import verify, views
 from uapplace.admission import Admission
@@ -291,15 +291,8 @@ async def engine_reporting(kv: str) -> AsyncIterator[str]:
     """The fake llama.cpp-like engine over real HTTP, its ``/metrics`` saying ``kv``."""
     engine = FakeEngine(EngineOptions(port=0, model_id="alpha", kv=kv))
     await engine.finish_loading()
-    runner = web.AppRunner(engine.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(engine.app()) as url:
+        yield url
 
 
 async def metrics_verdict(controller: Controller, kv: str) -> str | None:

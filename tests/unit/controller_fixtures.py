@@ -1,0 +1,59 @@
+"""The world a controller opens in without a bus: registry files, a simulated GPU, paths.
+
+Shared by ``test_controller.py`` and ``test_live_pending.py`` (imported as
+``from controller_fixtures import ...``: tests/unit is no package, like
+``enforce_fakes``). Each of them puts its own models (from
+:mod:`tests.worlds.seed_docs`, which the bus tier and the benchmarks share) into
+:func:`registry` and opens it through :func:`registry_paths` in its ``paths`` fixture.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from uapplace.paths import Paths
+from uapplace.registry import local_measurements
+from uapplace.sim.gpu import SimGpu, sim_uuid
+
+SIM_GPU_MIB = 24576
+
+
+def registry(models: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """A registry of ``models`` on the simulated GPU 0 and the host's CPU."""
+    return {
+        "version": 1,
+        "devices": {
+            "gpu0": {
+                "kind": "gpu",
+                "total_mib": SIM_GPU_MIB,
+                "reserved_mib": 1024,
+                "uuid": sim_uuid(0),
+            },
+            "cpu0": {"kind": "cpu", "total_mib": 65536, "reserved_mib": 1024},
+        },
+        "models": {key: dict(model) for key, model in models.items()},
+    }
+
+
+def registry_paths(tmp_path: Path, registry: Mapping[str, Any]) -> Paths:
+    """Write ``registry`` (the repo file and its machine-local measurements), an empty
+    capacity policy and one simulated GPU under ``tmp_path``; the paths that read them."""
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "model-registry.json").write_text(json.dumps(registry))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "model-registry.json").write_text(json.dumps(local_measurements(registry)))
+    (config / "capacity-policy.json").write_text(json.dumps({"services": []}))
+    SimGpu(tmp_path / "sim.json").create([("sim", SIM_GPU_MIB)])
+    return Paths.from_env(
+        {
+            "HOME": str(tmp_path),
+            "UAP_HOME": str(tmp_path / "home"),
+            "UAPPLACE_CONFIG_DIR": str(config),
+            "UAPPLACE_SIM_GPU": str(tmp_path / "sim.json"),
+            "XDG_RUNTIME_DIR": str(tmp_path / "run"),
+        }
+    )
