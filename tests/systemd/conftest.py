@@ -34,6 +34,7 @@ import pytest
 
 from tests.systemd import placement_world as placement
 from tests.systemd.live_world import LiveWorld, live_world
+from tests.worlds.steps import APPLY_STEPS as APPLY_STEPS  # the tier's tests import it from here
 from uapplace.sim.gpu import SimGpu, sim_uuid
 from uapplace.sim.usermanager import ContainedUserManager, can_contain
 from uapplace.units import UnitManager
@@ -41,19 +42,6 @@ from uapplace.units import UnitManager
 SIM_DEVICE_MIB = 24576
 GUARD_S = 20
 """Upper bound on any wait in this tier: a hang guard, never an assertion about speed."""
-APPLY_STEPS = [
-    "revalidate",
-    "preflight",
-    "mark-draining",
-    "drain",
-    "stop",
-    "verify-free",
-    "start",
-    "verify-up",
-    "refresh-proxy",
-    "resolve",
-]
-"""The steps of a successful apply that displaces a resident, in the order they are reported."""
 
 
 async def eventually(condition: Callable[[], bool], guard_s: float = GUARD_S) -> None:

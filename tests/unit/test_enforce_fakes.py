@@ -27,6 +27,7 @@ from enforce_fakes import (
     world,
 )
 
+from tests.worlds.steps import APPLY_STEPS
 from uapplace.alerts import AlertKind, Severity
 from uapplace.capacity import ServicePolicy
 from uapplace.enforce import Enforcer
@@ -63,17 +64,8 @@ FAST = Timeouts(
 ALPHA = endpoint_of("alpha")
 BETA = endpoint_of("beta")
 CODER = endpoint_of("coder")
-FORWARD = [
-    "revalidate",
-    "preflight",
-    "mark-draining",
-    "drain",
-    "stop",
-    "verify-free",
-    "start",
-    "verify-up",
-]
-SUCCESS = [*FORWARD, "refresh-proxy", "resolve"]
+SUCCESS = APPLY_STEPS
+FORWARD = APPLY_STEPS[: APPLY_STEPS.index("verify-up") + 1]
 RESTORED = ["rollback-stop", "rollback-start", "rollback-verify", "rollback-clear"]
 
 
