@@ -21,8 +21,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-from uapplace.admission import Admission
-from uapplace.model import (
+from uapplace.core.admission import Admission
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     Device,

@@ -13,12 +13,12 @@ replies, whether the daemon is still the same live process, and throughput
 Two daemons are measured, each on its own bus:
 
 - *before* (``--no-fix`` runs only this one): uapplaced with dbus-fast's own
-  write path (``uapplace.busio.OrderedWriter.write_callback`` put back to
+  write path (``uapplace.bus.connection.OrderedWriter.write_callback`` put back to
   upstream's), where ``EAGAIN`` on a full send buffer ends the connection;
-- *after*: uapplaced as shipped (:mod:`uapplace.busio`).
+- *after*: uapplaced as shipped (:mod:`uapplace.bus.connection`).
 
 A daemon that died is started afresh for the next run, so each run gets a fair
-try. The clients always use :func:`uapplace.busio.connect`, so what gives way is
+try. The clients always use :func:`uapplace.bus.connection.connect`, so what gives way is
 the daemon, not the load generator. Everything is private and removed at the end.
 """
 
@@ -59,7 +59,7 @@ from tests.bus.conftest import (  # noqa: E402
 )
 from tests.bus.dbusmock_fixtures import private_bus  # noqa: E402
 from tests.bus.shim_fixtures import SEEDED_LEDGER  # noqa: E402
-from uapplace.paths import BUS_NAME  # noqa: E402
+from uapplace.files.paths import BUS_NAME  # noqa: E402
 
 STARTUP_TIMEOUT_S = 30.0
 
@@ -182,7 +182,7 @@ def main() -> int:
     if not args.only_fixed:
         tallies.append(measure("before (dbus-fast writer)", False, args))
     if not args.no_fix:
-        tallies.append(measure("after (uapplace.busio)", True, args))
+        tallies.append(measure("after (uapplace.bus.connection)", True, args))
     for tally in tallies:
         print(tally.summary())
     return 0

@@ -41,7 +41,7 @@ from bench.private_daemon import daemon_env, spawn_daemon, stop  # noqa: E402
 from tests.bus.burst import admit_call  # noqa: E402
 from tests.bus.dbusmock_fixtures import private_bus  # noqa: E402
 from tests.worlds.seed_docs import alpha_ledger, alpha_model  # noqa: E402
-from uapplace.paths import BUS_NAME  # noqa: E402
+from uapplace.files.paths import BUS_NAME  # noqa: E402
 from uapplace.sim.gpu import sim_uuid  # noqa: E402
 
 ECHO_NAME = "org.uap.BenchEcho"

@@ -1,11 +1,11 @@
 """The enforcement envelope as ``uapplace measure --envelope`` measures it (issue 12).
 
-Builds the demo's sandbox (:class:`uapplace.sandbox.Sandbox`: contained ``systemd --user``,
+Builds the demo's sandbox (:class:`uapplace.demo.sandbox.Sandbox`: contained ``systemd --user``,
 simulated GPU, fake engines as real units running the vLLM sleep API, ``uapplaced``) with
 a slow cold start and wake (default 20 s and 1.5 s, like the issue's bench), then calls
 ``MeasureEnvelope`` over the bus for ``coder-7b`` and prints the envelope, how far each
 figure lies above the engine's own delay (the measurement's overhead and resolution),
-and the waits enforcement derives from it (:class:`uapplace.timeouts.Timeouts`).
+and the waits enforcement derives from it (:class:`uapplace.files.timeouts.Timeouts`).
 Needs root (contained manager). Run by hand, never as a test::
 
     .venv/bin/python bench/bench_envelope.py [--cold-secs 20] [--wake-secs 1.5]
@@ -20,10 +20,10 @@ import time
 from contextlib import AsyncExitStack
 from typing import Any
 
-from uapplace.client import PlacementClient
-from uapplace.model import Config, ConfigStatus, Envelope
-from uapplace.sandbox import CODER, Sandbox, SandboxSpec
-from uapplace.timeouts import Timeouts
+from uapplace.bus.client import PlacementClient
+from uapplace.core.model import Config, ConfigStatus, Envelope
+from uapplace.demo.sandbox import CODER, Sandbox, SandboxSpec
+from uapplace.files.timeouts import Timeouts
 
 
 async def resident(client: PlacementClient, model: str, guard_s: float) -> None:

@@ -47,7 +47,7 @@ from aiohttp import web
 from dbus_fast import Message
 
 if TYPE_CHECKING:
-    from uapplace.client import PlacementClient
+    from uapplace.bus.client import PlacementClient
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -212,15 +212,15 @@ async def open_loop(port: int, clients: int, rate: float, seconds: float) -> lis
 
 
 async def bus_only(address: str, count: int) -> list[float]:
-    from uapplace.client import PlacementClient
+    from uapplace.bus.client import PlacementClient
 
     client = await PlacementClient.connect(address)
     return await admits(client, count)
 
 
 async def peer_only(bus_address: str, socket_path: Path, count: int) -> list[float]:
-    from uapplace.client import PlacementClient
-    from uapplace.peer import connect_peer
+    from uapplace.bus.client import PlacementClient
+    from uapplace.bus.peer import connect_peer
 
     on_bus = await PlacementClient.connect(bus_address)
     try:

@@ -1,6 +1,6 @@
 """Swap time: uapplace's enforcement against a bare shell swap, on the same units.
 
-Builds the demo's sandbox (:class:`uapplace.sandbox.Sandbox`): a contained
+Builds the demo's sandbox (:class:`uapplace.demo.sandbox.Sandbox`): a contained
 ``systemd --user``, a simulated 24 GiB GPU, two fake engines as real units
 (``coder-7b`` 14 GiB, ``writer-13b`` 16 GiB, each 1 s to turn healthy, so one
 must stop for the other to start), a fake of the proxy's internal routes and
@@ -48,17 +48,17 @@ from typing import Any
 
 from dbus_fast import Message, MessageType
 
-from uapplace.client import PlacementClient, PlacementError
-from uapplace.controller import Controller
-from uapplace.engines import ProxyClient
-from uapplace.holds import ProxyHolders
-from uapplace.model import Decision
-from uapplace.paths import INTERFACE, Paths
-from uapplace.ports import NoEvents
-from uapplace.sandbox import CODER, WRITER, DemoModel, Sandbox, SandboxSpec
+from uapplace.bus.client import PlacementClient, PlacementError
+from uapplace.controller.controller import Controller
+from uapplace.controller.holds import ProxyHolders
+from uapplace.controller.ports import NoEvents
+from uapplace.core.model import Decision
+from uapplace.daemon.wiring import attach_enforcement
+from uapplace.demo.sandbox import CODER, WRITER, DemoModel, Sandbox, SandboxSpec
+from uapplace.files.paths import INTERFACE, Paths
+from uapplace.io.engines import ProxyClient
+from uapplace.io.units import UnitManager
 from uapplace.sim.usermanager import can_contain
-from uapplace.units import UnitManager
-from uapplace.wiring import attach_enforcement
 
 TARGET_RATIO = 1.10
 PAUSE_TARGET_RATIO = 0.2

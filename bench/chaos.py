@@ -23,7 +23,7 @@ Each step is one random operation:
   possibly with **a SIGKILL of uapplaced** when the run reports a chosen step
   (any of §4.6's steps or the rollback steps, from the ``EnforcementStep``
   signal); the harness then restarts the daemon, which repairs the run
-  (:mod:`uapplace.recovery`);
+  (:mod:`uapplace.recovery.recover`);
 - a unit started or stopped by hand (``StartUnit``/``StopUnit``);
 - an engine fault for the unit's next start: ``exit`` at start, ``never-healthy``,
   ``wrong-id``, ``orphan`` (a child keeps the VRAM after the stop), ``slow-stop``;
@@ -78,14 +78,14 @@ from typing import Any
 import aiohttp
 from dbus_fast import Message, MessageType
 
-from uapplace.busutil import bus_daemon_message
-from uapplace.client import PlacementClient, PlacementError
-from uapplace.paths import INTERFACE
-from uapplace.registry import local_measurements
+from uapplace.bus.client import PlacementClient, PlacementError
+from uapplace.bus.util import bus_daemon_message
+from uapplace.files.paths import INTERFACE
+from uapplace.files.registry import local_measurements
+from uapplace.io.units import UnitManager
 from uapplace.sim import proxy as sim_proxy
 from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
 from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.units import UnitManager
 
 DEVICE_MIB = 24576
 MODELS: dict[str, int] = {"alpha": 14000, "beta": 12000, "gamma": 8000}

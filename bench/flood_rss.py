@@ -43,8 +43,8 @@ from bench.private_daemon import daemon_env, spawn_daemon, stop  # noqa: E402
 from tests.bus.burst import admit_call  # noqa: E402
 from tests.bus.dbusmock_fixtures import private_bus  # noqa: E402
 from tests.worlds.seed_docs import alpha_model  # noqa: E402
-from uapplace.busio import connect  # noqa: E402
-from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH  # noqa: E402
+from uapplace.bus.connection import connect  # noqa: E402
+from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH  # noqa: E402
 
 STARTUP_TIMEOUT_S = 20.0
 EXPIRY_TICK_S = 5.0

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import IO, Any
 
-from uapplace.registry import local_measurements
+from uapplace.files.registry import local_measurements
 from uapplace.sim.gpu import SimGpu
 
 SIM_GPU_MIB = 24576

@@ -23,9 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from uapplace.devices import MIB, NvmlProbe, gpu_usage_of
-from uapplace.ledger import reading_to_json
-from uapplace.model import Device, DeviceKind, DeviceReading, ProbeSource
+from uapplace.core.model import Device, DeviceKind, DeviceReading, ProbeSource
+from uapplace.files.ledger import reading_to_json
+from uapplace.io.devices import MIB, NvmlProbe, gpu_usage_of
 
 
 def gpu_count() -> int:

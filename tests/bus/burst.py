@@ -1,7 +1,7 @@
 """Bursts of concurrent ``Admit`` calls, over the bus and through the shim (tier 2 and bench/).
 
 - :func:`bus_burst`: ``calls`` concurrent ``Admit`` calls spread over ``connections``
-  bus connections (each a :func:`uapplace.busio.connect` connection, so the client
+  bus connections (each a :func:`uapplace.bus.connection.connect` connection, so the client
   side is not the part that gives way), all sent at once; every outcome counted.
 - :func:`http_burst`: the same through the shim: ``connections`` keep-alive HTTP/1.1
   connections, each writing its share of ``POST /api/placement/admit`` requests
@@ -25,15 +25,15 @@ from urllib.parse import urlsplit
 from dbus_fast import Message, MessageType
 
 from tests.bus.conftest import DaemonProcess, UapEnv, busctl
-from uapplace import busio
-from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
+from uapplace.bus import connection as busio
+from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 UNFIXED_DAEMON = (
     "import sys\n"
     "from dbus_fast.aio.message_bus import _MessageWriter\n"
     "from uapplace import busio\n"
     "busio.OrderedWriter.write_callback = _MessageWriter.write_callback\n"
-    "from uapplace.daemon import main\n"
+    "from uapplace.daemon.main import main\n"
     "sys.exit(main(['--log-level', 'INFO']))\n"
 )
 

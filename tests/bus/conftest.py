@@ -36,8 +36,8 @@ import pytest
 
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.worlds.seed_docs import alpha_model, beta_model
-from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
-from uapplace.registry import local_measurements
+from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
+from uapplace.files.registry import local_measurements
 from uapplace.sim.gpu import SimGpu, sim_uuid
 
 STARTUP_TIMEOUT_S = 20.0

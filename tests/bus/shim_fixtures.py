@@ -35,7 +35,7 @@ from tests.bus.conftest import (
     wait_until,
 )
 from tests.worlds.seed_docs import alpha_ledger
-from uapplace.paths import BUS_NAME
+from uapplace.files.paths import BUS_NAME
 
 STARTUP_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0

@@ -14,8 +14,8 @@ from dbus_fast.aio import MessageBus
 
 from tests.bus import dbusmock_fixtures
 from tests.bus.dbusmock_fixtures import MockService
-from uapplace import errors
-from uapplace.authz import (
+from uapplace.core import errors
+from uapplace.daemon.authz import (
     Action,
     Authorizer,
     NotAuthorized,
@@ -24,7 +24,7 @@ from uapplace.authz import (
     process_start_time,
     same_uid_decision,
 )
-from uapplace.paths import DEFAULT_SYSTEM_BUS_ADDRESS, Paths
+from uapplace.files.paths import DEFAULT_SYSTEM_BUS_ADDRESS, Paths
 
 session_bus = dbusmock_fixtures.session_bus
 system_bus = dbusmock_fixtures.system_bus

@@ -2,7 +2,7 @@
 
 Issue 11: 1,000 concurrent admits over 10 connections used to fill uapplaced's
 socket to ``dbus-daemon``; dbus-fast took ``EAGAIN`` for a dead connection and
-the daemon exited. :mod:`uapplace.busio` waits for writability instead. Here,
+the daemon exited. :mod:`uapplace.bus.connection` waits for writability instead. Here,
 five runs each of 2,000 concurrent admits over 20 connections must all be
 answered by the same daemon process, straight on the bus and through the shim
 (over the peer socket and with ``--no-peer``) without a single 5xx. The

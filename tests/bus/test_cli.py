@@ -263,7 +263,7 @@ def test_watch_prints_signals_as_json_lines(daemon: DaemonProcess) -> None:
         assert "watching" in watcher.stderr.readline()  # subscribed from here on
         park(daemon.uap, "beta", "watched")
         line = json.loads(watcher.stdout.readline())
-        # The shim's SSE data objects (uapplace.events.Event.to_json).
+        # The shim's SSE data objects (uapplace.bus.events.Event.to_json).
         assert (line["id"], line["event"], line["data"]["model"]) == (1, "Parked", "beta")
         placement_id = line["data"]["placement_id"]
         dismissed = run_cli(daemon.uap, "dismiss", placement_id)

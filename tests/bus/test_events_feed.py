@@ -1,7 +1,7 @@
 """The event stream's bus side and its SSE route over the real daemon on a private bus.
 
 :class:`uapplace.shim.events.EventFeed` follows the real ``uapplaced``'s signals
-into an :class:`uapplace.events.EventLog`; :func:`uapplace.shim.events.stream_events`
+into an :class:`uapplace.bus.events.EventLog`; :func:`uapplace.shim.events.stream_events`
 serves that log over real HTTP; a plain SSE client reads it, leaves, and resumes
 with ``Last-Event-ID``.
 """
@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from tests.bus.conftest import DaemonProcess, call, call_json
-from uapplace.events import EventLog, parse_sse
+from uapplace.bus.events import EventLog, parse_sse
 from uapplace.shim.events import EventFeed, stream_events
 
 pytestmark = pytest.mark.bus

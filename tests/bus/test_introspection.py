@@ -9,7 +9,7 @@ import pytest
 from dbus_fast.introspection import Interface, Node
 
 from tests.bus.conftest import DaemonProcess, busctl
-from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
+from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 pytestmark = pytest.mark.bus
 

@@ -35,7 +35,7 @@ from tests.bus.conftest import (
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.bus.shim_fixtures import ShimProcess, request, start_shim
 from tests.worlds.seed_docs import alpha_ledger
-from uapplace.engines import INFLIGHT_PATH
+from uapplace.io.engines import INFLIGHT_PATH
 
 pytestmark = pytest.mark.bus
 

@@ -14,7 +14,7 @@ from dbus_fast.aio import MessageBus
 
 from tests.bus import dbusmock_fixtures
 from tests.bus.dbusmock_fixtures import MockService, spawn_template
-from uapplace.model import (
+from uapplace.core.model import (
     Holder,
     Option,
     OptionKind,
@@ -25,7 +25,7 @@ from uapplace.model import (
     ResidentState,
     Victim,
 )
-from uapplace.notify import (
+from uapplace.daemon.notify import (
     URGENCY_CRITICAL,
     URGENCY_NORMAL,
     Bubble,
@@ -383,7 +383,7 @@ async def test_without_a_daemon_nothing_fails_and_one_line_is_logged(
     caplog: pytest.LogCaptureFixture,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="uapplace.notify")
+    caplog.set_level(logging.INFO, logger="uapplace.daemon.notify")
     notifier = Notifier(session_bus, clicks.on_apply, clicks.on_dismiss, recheck_after=0)
     try:
         await notifier.start()
@@ -443,7 +443,7 @@ async def test_a_failing_callback_is_logged_and_later_clicks_still_work(
 async def test_a_refused_click_is_answered_with_a_bubble_saying_why(
     notification_daemon: MockService, session_bus: str, refusal: str, short: str
 ) -> None:
-    from uapplace import errors
+    from uapplace.core import errors
 
     error_type: type[errors.PlacementFailure] = getattr(errors, short)
 

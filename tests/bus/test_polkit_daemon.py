@@ -8,7 +8,7 @@ allowed, and fail with ``org.uap.Placement1.Error.NotAuthorized`` naming that id
 otherwise. Reads and ``Admit`` are never gated.
 
 The test process is the caller (the daemon asks polkit about its PID), through
-:class:`~uapplace.client.PlacementClient`; properties are read with ``busctl``.
+:class:`~uapplace.bus.client.PlacementClient`; properties are read with ``busctl``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import pytest
 
 from tests.bus.conftest import DaemonProcess, busctl, make_env, start_daemon
 from tests.bus.dbusmock_fixtures import MockService, private_bus, spawn_template
-from uapplace.authz import Action
-from uapplace.client import PlacementClient, PlacementError
-from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
+from uapplace.bus.client import PlacementClient, PlacementError
+from uapplace.daemon.authz import Action
+from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 pytestmark = pytest.mark.bus
 

@@ -28,9 +28,9 @@ from tests.bus.conftest import (
 )
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.worlds.seed_docs import alpha_ledger
-from uapplace.client import PlacementClient, PlacementError
-from uapplace.ledger import parse_ledger_text
-from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
+from uapplace.bus.client import PlacementClient, PlacementError
+from uapplace.files.ledger import parse_ledger_text
+from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 pytestmark = pytest.mark.bus
 

@@ -31,8 +31,8 @@ from tests.bus.shim_fixtures import (
     running_shim,
     seeded_daemon,
 )
-from uapplace.engines import parse_prometheus
-from uapplace.events import parse_sse
+from uapplace.bus.events import parse_sse
+from uapplace.io.engines import parse_prometheus
 
 pytestmark = pytest.mark.bus
 

@@ -1,4 +1,4 @@
-"""Admit over uapplaced's peer-to-peer socket (``uapplace.peer``), real daemon, real shim.
+"""Admit over uapplaced's peer-to-peer socket (``uapplace.bus.peer``), real daemon, real shim.
 
 The proof that admits skip the bus is behavioural: with the private
 ``dbus-daemon`` frozen (SIGSTOP, by the PID the bus itself reports), a shim on
@@ -36,8 +36,8 @@ from tests.bus.conftest import (
 )
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.bus.shim_fixtures import SEEDED_LEDGER, ShimProcess, request, start_shim, without_guid
-from uapplace.paths import BUS_NAME
-from uapplace.peer import PeerListener
+from uapplace.bus.peer import PeerListener
+from uapplace.files.paths import BUS_NAME
 from uapplace.shim import gateway as gateway_module
 from uapplace.shim.gateway import BusGateway
 from uapplace.shim.metrics import ShimMetrics

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.bus.conftest import DaemonProcess, run_cli
-from uapplace.units import DROPIN_NAME
+from uapplace.io.units import DROPIN_NAME
 
 pytestmark = pytest.mark.bus
 

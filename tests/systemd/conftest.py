@@ -35,9 +35,9 @@ import pytest
 from tests.systemd import placement_world as placement
 from tests.systemd.live_world import LiveWorld, live_world
 from tests.worlds.steps import APPLY_STEPS as APPLY_STEPS  # the tier's tests import it from here
+from uapplace.io.units import UnitManager
 from uapplace.sim.gpu import SimGpu, sim_uuid
 from uapplace.sim.usermanager import ContainedUserManager, can_contain
-from uapplace.units import UnitManager
 
 SIM_DEVICE_MIB = 24576
 GUARD_S = 20

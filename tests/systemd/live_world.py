@@ -35,11 +35,11 @@ import aiohttp
 from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
 from tests.bus.shim_fixtures import ShimProcess, start_shim
 from tests.systemd.placement_world import ALPHA_MIB, BETA_MIB, FAST, POLICY, registry_json
-from uapplace.paths import BUS_NAME
+from uapplace.files.paths import BUS_NAME
+from uapplace.io.units import UnitManager
 from uapplace.sim import gateproxy, serving
 from uapplace.sim.gateproxy import GateProxy
 from uapplace.sim.gpu import SimGpu
-from uapplace.units import UnitManager
 
 if TYPE_CHECKING:  # conftest imports this module (its fixtures build the world): types only here
     from tests.systemd.conftest import EngineUnit, UnitFiles

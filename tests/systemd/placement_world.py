@@ -3,9 +3,9 @@
 Two models on one simulated 24 GiB GPU, each a real unit running the fake
 engine: ``alpha`` (14000 MiB) and ``beta`` (16000 MiB) cannot both be loaded,
 so loading ``beta`` while ``alpha`` is resident means displacing it. The
-:class:`~uapplace.controller.Controller` is the real one (in-process, no bus),
-wired to an :class:`~uapplace.enforce.Enforcer` and a
-:class:`~uapplace.unitsync.UnitSync` through :class:`~uapplace.enforce_host.ControllerHost`,
+:class:`~uapplace.controller.controller.Controller` is the real one (in-process, no bus),
+wired to an :class:`~uapplace.enforce.enforcer.Enforcer` and a
+:class:`~uapplace.publish.unitsync.UnitSync` through :class:`~uapplace.enforce.host.ControllerHost`,
 exactly as the daemon wires them. The proxy's internal routes are the fake of
 :mod:`uapplace.sim.proxy`, served over real HTTP.
 """
@@ -24,23 +24,23 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from uapplace.alerts import Alert
-from uapplace.controller import Controller
-from uapplace.dropins import no_manager_to_reload
-from uapplace.enforce import Enforcer
-from uapplace.enforce_host import ControllerHost
-from uapplace.engines import ProxyClient
-from uapplace.holds import ProxyHolders
-from uapplace.model import PendingEntry, Resident
-from uapplace.paths import Paths
-from uapplace.ports import ResidentRow
-from uapplace.registry import local_measurements
+from uapplace.controller.controller import Controller
+from uapplace.controller.dropins import no_manager_to_reload
+from uapplace.controller.holds import ProxyHolders
+from uapplace.controller.ports import ResidentRow
+from uapplace.core.alerts import Alert
+from uapplace.core.model import PendingEntry, Resident
+from uapplace.daemon.wiring import attach_enforcement
+from uapplace.enforce.enforcer import Enforcer
+from uapplace.enforce.host import ControllerHost
+from uapplace.files.paths import Paths
+from uapplace.files.registry import local_measurements
+from uapplace.files.timeouts import Timeouts
+from uapplace.io.engines import ProxyClient
+from uapplace.io.units import UnitManager, UnitState
+from uapplace.publish.unitsync import UnitSync
 from uapplace.sim import proxy as sim_proxy
 from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
-from uapplace.timeouts import Timeouts
-from uapplace.units import UnitManager, UnitState
-from uapplace.unitsync import UnitSync
-from uapplace.wiring import attach_enforcement
 
 if TYPE_CHECKING:  # conftest imports this module (its fixtures build the world): types only here
     from tests.systemd.conftest import EngineUnit, UnitFiles

@@ -29,12 +29,12 @@ from tests.bus.conftest import run_cli
 from tests.bus.dbusmock_fixtures import MockService, spawn_template
 from tests.systemd.conftest import UnitFiles
 from tests.systemd.live_world import GUARD_S, LiveWorld, live_world
-from uapplace.busutil import bus_daemon_message
-from uapplace.notify import URGENCY_CRITICAL
-from uapplace.paths import INTERFACE
+from uapplace.bus.util import bus_daemon_message
+from uapplace.daemon.notify import URGENCY_CRITICAL
+from uapplace.files.paths import INTERFACE
+from uapplace.io.units import UnitManager
 from uapplace.sim.gpu import SimGpu, sim_uuid
 from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 

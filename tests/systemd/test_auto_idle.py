@@ -21,13 +21,13 @@ import pytest
 
 from tests.systemd.conftest import UnitFiles
 from tests.systemd.placement_world import FAST, GUARD_S, World, build_world, close_world
-from uapplace.admission import new_placement_id
-from uapplace.auto import COOLDOWN_S, AutoRunner, enforcement_envelope_s
-from uapplace.autopolicy import PolicyStore
-from uapplace.idle import IdleSweep
-from uapplace.model import ParkReason, PendingEntry, Plan, PreviewReason
+from uapplace.consent.auto import COOLDOWN_S, AutoRunner, enforcement_envelope_s
+from uapplace.consent.idle import IdleSweep
+from uapplace.core.admission import new_placement_id
+from uapplace.core.model import ParkReason, PendingEntry, Plan, PreviewReason
+from uapplace.files.autopolicy import PolicyStore
+from uapplace.io.units import UnitManager
 from uapplace.sim.gpu import SimGpu
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 

@@ -23,11 +23,11 @@ import pytest
 
 from tests.systemd.conftest import EngineUnit, UnitFiles
 from tests.systemd.placement_world import GUARD_S, MEASURED_AT, World, build_world, close_world
-from uapplace.model import OptionKind
-from uapplace.registry import local_measurements
+from uapplace.core.model import OptionKind
+from uapplace.files.registry import local_measurements
+from uapplace.io.units import DROPIN_NAME, UnitManager, unit_name
 from uapplace.sim.gpu import SimGpu
 from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.units import DROPIN_NAME, UnitManager, unit_name
 
 pytestmark = pytest.mark.systemd
 

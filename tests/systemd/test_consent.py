@@ -27,10 +27,10 @@ import pytest
 from tests.bus.conftest import run_cli
 from tests.systemd.conftest import UnitFiles
 from tests.systemd.live_world import LiveWorld, live_world
-from uapplace.client import PlacementClient, PlacementError
+from uapplace.bus.client import PlacementClient, PlacementError
+from uapplace.io.units import UnitManager
 from uapplace.shim.bodies import MISSING_SIGNATURE
 from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 

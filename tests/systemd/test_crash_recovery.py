@@ -6,10 +6,10 @@ The machine of :mod:`tests.systemd.placement_world` (``alpha`` 14000 MiB residen
 ``systemd --user`` running the fake engine, ``uapplaced`` runs as a process on that
 manager's bus. The test hook ``UAPPLACE_TEST_CRASH_AT=<step>`` makes the daemon
 SIGKILL itself right after the enforcement journal made that step durable
-(:mod:`uapplace.journal`), which is the widest a real crash can hit: the journal
+(:mod:`uapplace.files.journal`), which is the widest a real crash can hit: the journal
 says the step is next (or, for ``verify-free``/``verify-up``, just done), nothing
 more. The daemon is then started again without the hook, and the outcome must be
-the one :mod:`uapplace.recovery`'s table gives:
+the one :mod:`uapplace.recovery.recover`'s table gives:
 
 - the GPU is not emptier than before the run (``alpha`` hot again, or ``beta``
   hot and verified);
@@ -37,14 +37,14 @@ from dbus_fast import Message, MessageType
 from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
 from tests.systemd.conftest import EngineUnit, UnitFiles
 from tests.systemd.placement_world import FAST, POLICY, UnitTimeline, registry_json
-from uapplace import engines
-from uapplace.busutil import bus_daemon_message
-from uapplace.client import PlacementClient, PlacementError
-from uapplace.paths import INTERFACE
+from uapplace.bus.client import PlacementClient, PlacementError
+from uapplace.bus.util import bus_daemon_message
+from uapplace.files.paths import INTERFACE
+from uapplace.io import engines
+from uapplace.io.units import UnitManager
 from uapplace.sim import proxy as sim_proxy
 from uapplace.sim.gpu import SimGpu
 from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.systemd.conftest import APPLY_STEPS
-from uapplace.sandbox import UNIT_PREFIX
+from uapplace.demo.sandbox import UNIT_PREFIX
 from uapplace.sim.usermanager import CGROUP_ROOT, ContainedUserManager
 
 pytestmark = pytest.mark.systemd

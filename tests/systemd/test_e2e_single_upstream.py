@@ -25,7 +25,7 @@ import pytest
 
 from tests.systemd.conftest import APPLY_STEPS
 from tests.systemd.live_world import GUARD_S, LiveWorld
-from uapplace.events import parse_sse
+from uapplace.bus.events import parse_sse
 
 pytestmark = pytest.mark.systemd
 

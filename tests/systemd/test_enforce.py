@@ -27,12 +27,12 @@ from tests.systemd.placement_world import (
     close_world,
     step_names,
 )
-from uapplace import engines
-from uapplace.errors import Busy, Drifted
-from uapplace.ports import VictimRef
+from uapplace.controller.ports import VictimRef
+from uapplace.core.errors import Busy, Drifted
+from uapplace.files.timeouts import Timeouts
+from uapplace.io import engines
+from uapplace.io.units import UnitManager
 from uapplace.sim.gpu import SimGpu, sim_uuid
-from uapplace.timeouts import Timeouts
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 

@@ -1,7 +1,7 @@
 """``attach_enforcement`` wires the controller only once everything started.
 
 If the first unit sync fails (here: reading a unit's state raises something
-that is not a :class:`~uapplace.units.UnitError`, as a pystemd surprise would),
+that is not a :class:`~uapplace.io.units.UnitError`, as a pystemd surprise would),
 the controller must get neither an enforcer nor a measurer (the daemon then
 answers ``Failed`` saying enforcement could not start), and the user-bus
 connections the call opened must be closed again, seen from the bus itself.
@@ -19,12 +19,12 @@ from dbus_fast.aio import MessageBus
 
 from tests.bus.conftest import make_env
 from tests.systemd.conftest import GUARD_S
-from uapplace.controller import Controller
-from uapplace.paths import Paths
+from uapplace.controller.controller import Controller
+from uapplace.daemon.wiring import attach_enforcement
+from uapplace.files.paths import Paths
+from uapplace.files.timeouts import Timeouts
+from uapplace.io.units import UnitManager, UnitState
 from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.timeouts import Timeouts
-from uapplace.units import UnitManager, UnitState
-from uapplace.wiring import attach_enforcement
 
 pytestmark = pytest.mark.systemd
 

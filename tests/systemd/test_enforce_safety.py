@@ -28,10 +28,11 @@ from tests.systemd.placement_world import (
     step,
     step_names,
 )
-from uapplace import engines, views
+from uapplace.controller import views
+from uapplace.files.timeouts import Timeouts
+from uapplace.io import engines
+from uapplace.io.units import MANAGER_IFACE, MANAGER_PATH, SYSTEMD
 from uapplace.sim.gpu import pid_alive, sim_uuid
-from uapplace.timeouts import Timeouts
-from uapplace.units import MANAGER_IFACE, MANAGER_PATH, SYSTEMD
 
 pytestmark = pytest.mark.systemd
 

@@ -27,10 +27,11 @@ from tests.systemd.placement_world import (
     World,
     step,
 )
-from uapplace import engines, views
-from uapplace.engine_reading import MeasurementRefused
-from uapplace.model import Envelope
-from uapplace.timeouts import Timeouts
+from uapplace.controller import views
+from uapplace.core.model import Envelope
+from uapplace.files.timeouts import Timeouts
+from uapplace.io import engines
+from uapplace.measure.reading import MeasurementRefused
 
 pytestmark = pytest.mark.systemd
 

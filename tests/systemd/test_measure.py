@@ -12,11 +12,11 @@ import pytest
 
 from tests.systemd.conftest import UnitFiles
 from tests.systemd.placement_world import ALPHA_MIB, GUARD_S, World, build_world, close_world
-from uapplace.engine_reading import MeasurementRefused
-from uapplace.measure import Measurer
-from uapplace.registry import load_registry
+from uapplace.files.registry import load_registry
+from uapplace.io.units import UnitManager
+from uapplace.measure.measurer import Measurer
+from uapplace.measure.reading import MeasurementRefused
 from uapplace.sim.gpu import SimGpu, sim_uuid
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 

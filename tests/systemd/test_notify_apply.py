@@ -34,12 +34,12 @@ from dbus_fast.aio import MessageBus
 from tests.bus.conftest import DaemonProcess, make_env, start_daemon
 from tests.bus.dbusmock_fixtures import MockService, spawn_template
 from tests.systemd.conftest import APPLY_STEPS, EngineUnit, UnitFiles
-from uapplace.client import PlacementClient
-from uapplace.paths import INTERFACE
+from uapplace.bus.client import PlacementClient
+from uapplace.files.paths import INTERFACE
+from uapplace.io.units import UnitManager
 from uapplace.sim import proxy as sim_proxy
 from uapplace.sim.gpu import SimGpu, sim_uuid
 from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 

@@ -26,10 +26,11 @@ from tests.systemd.placement_world import (
     build_world,
     close_world,
 )
-from uapplace import engines, verify
-from uapplace.model import OptionKind, PendingEntry
+from uapplace.core.model import OptionKind, PendingEntry
+from uapplace.io import engines
+from uapplace.io.units import UnitManager
+from uapplace.publish import verify
 from uapplace.sim.gpu import SimGpu
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 

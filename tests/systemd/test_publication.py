@@ -29,11 +29,11 @@ import pytest
 from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
 from tests.systemd.conftest import EngineUnit, UnitFiles
 from tests.systemd.placement_world import GUARD_S, World, build_world, close_world
-from uapplace.alerts import AlertKind
-from uapplace.client import PlacementClient
+from uapplace.bus.client import PlacementClient
+from uapplace.core.alerts import AlertKind
+from uapplace.io.units import UnitManager
 from uapplace.sim.gpu import SimGpu, sim_uuid
 from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 

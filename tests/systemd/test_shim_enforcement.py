@@ -24,8 +24,8 @@ import pytest
 
 from tests.systemd.conftest import UnitFiles
 from tests.systemd.live_world import LiveWorld, live_world
+from uapplace.io.units import UnitManager
 from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 

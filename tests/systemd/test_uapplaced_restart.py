@@ -31,7 +31,7 @@ import pytest
 
 from tests.systemd.conftest import GUARD_S
 from tests.systemd.test_uapplaced_unit import UNIT, installed, run, show
-from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
+from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 from uapplace.sim.usermanager import ContainedUserManager
 
 pytestmark = pytest.mark.systemd

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.bus.conftest import make_env
-from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
+from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 from uapplace.sim.usermanager import ContainedUserManager
 
 pytestmark = pytest.mark.systemd

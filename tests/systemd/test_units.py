@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.systemd.conftest import GUARD_S, UnitFiles, eventually
-from uapplace import engines
+from uapplace.io import engines
+from uapplace.io.units import UnitManager, UnitState, write_conflict_dropins
 from uapplace.sim.gpu import SimGpu, pid_alive
 from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.units import UnitManager, UnitState, write_conflict_dropins
 
 pytestmark = pytest.mark.systemd
 

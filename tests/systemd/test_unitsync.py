@@ -13,10 +13,10 @@ import pytest
 
 from tests.systemd.conftest import UnitFiles
 from tests.systemd.placement_world import GUARD_S, World, build_world, close_world
-from uapplace.model import ResidentState
+from uapplace.core.model import ResidentState
+from uapplace.io.units import UnitManager
 from uapplace.sim.gpu import SimGpu
 from uapplace.sim.usermanager import ContainedUserManager
-from uapplace.units import UnitManager
 
 pytestmark = pytest.mark.systemd
 

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from uapplace.paths import Paths
-from uapplace.registry import local_measurements
+from uapplace.files.paths import Paths
+from uapplace.files.registry import local_measurements
 from uapplace.sim.gpu import SimGpu, sim_uuid
 
 SIM_GPU_MIB = 24576

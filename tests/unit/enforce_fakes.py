@@ -1,16 +1,16 @@
 """In-memory fakes for the enforcement seams: the controller, the units, the engines.
 
-- :class:`ListHost`: an :class:`~uapplace.enforce_host.EnforcementHost` over plain
+- :class:`ListHost`: an :class:`~uapplace.enforce.host.EnforcementHost` over plain
   lists (residents, pending entries, bus holds), keeping every step signal, alert
   and resolution it is given. Its device readings come from a callable, so a
   :class:`World` can derive them from what runs.
-- :class:`FakeUnits`: a :class:`~uapplace.seams.UnitControl` with in-memory unit
+- :class:`FakeUnits`: a :class:`~uapplace.io.seams.UnitControl` with in-memory unit
   states and scripted job outcomes (a start job that fails, a unit that turns
   ``failed`` after starting, one that survives its stop job, one whose state
   cannot be read). It signals every state change like the real manager, and logs
   each job with the journal step on disk at that moment, so a test can show that
   the journal was written before each unit change.
-- :class:`FakeEngines`: an :class:`~uapplace.seams.EngineProbe`: an engine is
+- :class:`FakeEngines`: an :class:`~uapplace.io.seams.EngineProbe`: an engine is
   healthy only while its unit is active; served ids, metrics and vLLM's sleep
   state are scripted per endpoint.
 
@@ -27,11 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from uapplace.alerts import Alert, AlertBoard, AlertKind, Severity
-from uapplace.capacity import ServicePolicy
-from uapplace.engines import EngineError
-from uapplace.journal import Journal
-from uapplace.model import (
+from uapplace.core.alerts import Alert, AlertBoard, AlertKind, Severity
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     Device,
@@ -47,9 +44,12 @@ from uapplace.model import (
     Resident,
     ResidentState,
 )
-from uapplace.planner import PlanInput, plan
-from uapplace.unitnames import unit_file_name
-from uapplace.units import JobOutcome, UnitError, UnitState
+from uapplace.core.planner import PlanInput, plan
+from uapplace.core.unitnames import unit_file_name
+from uapplace.files.capacity import ServicePolicy
+from uapplace.files.journal import Journal
+from uapplace.io.engines import EngineError
+from uapplace.io.units import JobOutcome, UnitError, UnitState
 
 MEASURED_AT = "2026-10-08T14:02:00Z"
 GPU = Device("gpu0", DeviceKind.GPU, 24576, 0)
@@ -137,7 +137,7 @@ def static_readings() -> dict[str, DeviceReading]:
 
 @dataclass
 class ListHost:
-    """An :class:`~uapplace.enforce_host.EnforcementHost` over plain lists."""
+    """An :class:`~uapplace.enforce.host.EnforcementHost` over plain lists."""
 
     reg: Registry = field(default_factory=swap_registry)
     live: list[Resident] = field(default_factory=list)
@@ -226,7 +226,7 @@ _SUB = {"active": "running", "inactive": "dead", "failed": "failed", "activating
 
 @dataclass
 class FakeUnits:
-    """A :class:`~uapplace.seams.UnitControl` over a dict of unit → ``ActiveState``."""
+    """A :class:`~uapplace.io.seams.UnitControl` over a dict of unit → ``ActiveState``."""
 
     active: dict[str, str] = field(default_factory=dict)
     """Unit → ActiveState; a unit not named is ``inactive``."""
@@ -317,7 +317,7 @@ class FakeUnits:
 
 @dataclass
 class FakeEngines:
-    """An :class:`~uapplace.seams.EngineProbe`: each endpoint is its model's engine,
+    """An :class:`~uapplace.io.seams.EngineProbe`: each endpoint is its model's engine,
     answering only while that model's unit is active (like a real engine)."""
 
     units: FakeUnits

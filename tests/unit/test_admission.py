@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from uapplace.admission import Admission, new_placement_id
-from uapplace.model import (
+from uapplace.core.admission import Admission, new_placement_id
+from uapplace.core.model import (
     DEFAULT_CELLS,
     Config,
     ConfigStatus,

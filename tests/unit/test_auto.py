@@ -19,18 +19,11 @@ from typing import Any
 
 import pytest
 
-from uapplace.admission import Admission
-from uapplace.auto import COOLDOWN_S, AutoRunner, enforcement_envelope_s, pick_option
-from uapplace.autopolicy import (
-    AutoPolicy,
-    ConsentRequired,
-    PolicyStore,
-    apply_changes,
-    load_auto_policy,
-    save_policy,
-)
-from uapplace.errors import Failed, InvalidArgument
-from uapplace.model import (
+from uapplace.consent.auto import COOLDOWN_S, AutoRunner, enforcement_envelope_s, pick_option
+from uapplace.controller.standing import Cooldowns
+from uapplace.core.admission import Admission
+from uapplace.core.errors import Failed, InvalidArgument
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     Model,
@@ -44,8 +37,15 @@ from uapplace.model import (
     ResidentState,
     Victim,
 )
-from uapplace.standing import Cooldowns
-from uapplace.timeouts import Timeouts
+from uapplace.files.autopolicy import (
+    AutoPolicy,
+    ConsentRequired,
+    PolicyStore,
+    apply_changes,
+    load_auto_policy,
+    save_policy,
+)
+from uapplace.files.timeouts import Timeouts
 
 T0 = 1_800_000_000.0
 ENVELOPE = 500.0
@@ -699,7 +699,7 @@ async def test_a_raising_run_does_not_crash_and_is_recorded(
     rig.write_policy(enabled=True)
     rig.enforcer.outcomes["beta"] = RuntimeError("pystemd lost its bus")
     entry, _ = await rig.park("beta", alongside("beta"))
-    with caplog.at_level(logging.ERROR, logger="uapplace.auto"):
+    with caplog.at_level(logging.ERROR, logger="uapplace.consent.auto"):
         await rig.runner.wait_idle()
     assert "the run for beta failed with an error" in caplog.text
     assert "pystemd lost its bus" in caplog.text

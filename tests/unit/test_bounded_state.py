@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from uapplace.admission import (
+from uapplace.controller.controller import Controller
+from uapplace.controller.ports import EventRelay, NoEvents
+from uapplace.core.admission import (
     MAX_IDENTITY_CHARS,
     MAX_MODEL_ID_CHARS,
     MAX_PENDING,
@@ -18,8 +20,7 @@ from uapplace.admission import (
     PLACEMENT_ID,
     Admission,
 )
-from uapplace.controller import Controller
-from uapplace.model import (
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     Device,
@@ -29,8 +30,7 @@ from uapplace.model import (
     PendingEntry,
     Registry,
 )
-from uapplace.paths import Paths
-from uapplace.ports import EventRelay, NoEvents
+from uapplace.files.paths import Paths
 
 NOW = 1_800_000_000.0
 TTL = 120.0

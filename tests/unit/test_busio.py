@@ -1,6 +1,6 @@
 """busio.py: dbus-fast's write path with a full send buffer, on real sockets, no bus daemon.
 
-A :class:`uapplace.busio.Bus` is put on one end of a ``socketpair`` whose send
+A :class:`uapplace.bus.connection.Bus` is put on one end of a ``socketpair`` whose send
 buffer is shrunk to a few KiB, the way ``MessageBus.connect()`` sets a connection
 up (socket, fd, then ``self._writer = _MessageWriter(self)``). Nothing reads the
 other end until hundreds of KiB are queued, so the kernel answers ``EAGAIN``
@@ -22,9 +22,9 @@ from dbus_fast import Message
 from dbus_fast.aio import MessageBus
 from dbus_fast.aio.message_bus import _MessageWriter
 
-from uapplace import busio
-from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
-from uapplace.peer import PeerListener
+from uapplace.bus import connection as busio
+from uapplace.bus.peer import PeerListener
+from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 SMALL_BUFFER = 4096
 MESSAGES = 400

@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
-from uapplace.capacity import (
+from uapplace.core.model import Config, Model
+from uapplace.files.capacity import (
     CapacityPolicy,
     Finding,
     has_errors,
     load_capacity_policy,
     validate,
 )
-from uapplace.jsonfile import ConfigFileError
-from uapplace.model import Config, Model
-from uapplace.registry import RegistryLoad, load_registry, local_measurements
+from uapplace.files.jsonfile import ConfigFileError
+from uapplace.files.registry import RegistryLoad, load_registry, local_measurements
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 SHIPPED_REGISTRY: dict[str, Any] = json.loads((CONFIG_DIR / "model-registry.json").read_text())

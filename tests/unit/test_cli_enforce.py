@@ -15,10 +15,10 @@ import pytest
 from dbus_fast import Message, MessageType
 from typer.testing import CliRunner
 
-from uapplace import cli
-from uapplace.cli_session import EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
-from uapplace.client import PlacementClient
-from uapplace.paths import INTERFACE, OBJECT_PATH
+from uapplace.bus.client import PlacementClient
+from uapplace.cli import app as cli
+from uapplace.cli.session import EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
+from uapplace.files.paths import INTERFACE, OBJECT_PATH
 
 Handler = Callable[[Message], None]
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from uapplace.conflicts import (
+from uapplace.core.conflicts import (
     Placement,
     candidate_devices,
     conflict_edges,
@@ -28,7 +28,7 @@ from uapplace.conflicts import (
     floor_cost_mib,
     placements,
 )
-from uapplace.model import (
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     Device,
@@ -41,7 +41,7 @@ from uapplace.model import (
     Resident,
     ResidentState,
 )
-from uapplace.planner import PlanInput, plan
+from uapplace.core.planner import PlanInput, plan
 
 MEASURED_AT = "2026-10-08T14:02:00Z"
 HOST_MIB = 1_000_000

@@ -13,14 +13,13 @@ from aiohttp import web
 from controller_fixtures import registry, registry_paths
 
 from tests.worlds.seed_docs import alpha_model
-from uapplace import views
-from uapplace.alerts import Alert
-from uapplace.controller import Controller
-from uapplace.engines import ProxyClient, ProxyTokenRejected
-from uapplace.errors import NotAuthorized, NotFound, UnknownModel
-from uapplace.holds import ProxyHolders
-from uapplace.ledger import Ledger, LedgerDoc
-from uapplace.model import (
+from uapplace.controller import views
+from uapplace.controller.controller import Controller
+from uapplace.controller.holds import ProxyHolders
+from uapplace.controller.ports import ResidentRow
+from uapplace.core.alerts import Alert
+from uapplace.core.errors import NotAuthorized, NotFound, UnknownModel
+from uapplace.core.model import (
     Holder,
     ParkReason,
     PendingEntry,
@@ -28,8 +27,9 @@ from uapplace.model import (
     ResidentState,
     parse_iso,
 )
-from uapplace.paths import Paths
-from uapplace.ports import ResidentRow
+from uapplace.files.ledger import Ledger, LedgerDoc
+from uapplace.files.paths import Paths
+from uapplace.io.engines import ProxyClient, ProxyTokenRejected
 from uapplace.sim.engine import FakeEngine, parse_options
 
 REGISTRY = registry({"alpha": alpha_model(rails=1, advertises=["alpha-chat"])})

@@ -1,12 +1,12 @@
-"""The daemon's counters (uapplace/counters.py) and their Prometheus rendering."""
+"""The daemon's counters (uapplace/io/counters.py) and their Prometheus rendering."""
 
 from __future__ import annotations
 
 import json
 
-from uapplace import counters as counters_module
-from uapplace.counters import DaemonCounters, render_counters, render_targets, run_outcome
-from uapplace.engines import parse_prometheus
+from uapplace.io import counters as counters_module
+from uapplace.io.counters import DaemonCounters, render_counters, render_targets, run_outcome
+from uapplace.io.engines import parse_prometheus
 
 
 class Clock:

@@ -12,7 +12,16 @@ from typing import Any
 import psutil
 import pytest
 
-from uapplace.devices import (
+from uapplace.core.model import (
+    Device,
+    DeviceKind,
+    DeviceReading,
+    ProbeSource,
+    ProcessUsage,
+    Registry,
+)
+from uapplace.files.paths import Paths
+from uapplace.io.devices import (
     MIB,
     HostProbe,
     NvmlProbe,
@@ -22,15 +31,6 @@ from uapplace.devices import (
     make_probe,
     process_rss_mib,
 )
-from uapplace.model import (
-    Device,
-    DeviceKind,
-    DeviceReading,
-    ProbeSource,
-    ProcessUsage,
-    Registry,
-)
-from uapplace.paths import Paths
 from uapplace.sim.gpu import SimDevice, SimGpu
 
 

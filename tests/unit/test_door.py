@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from uapplace.door import NOT_YET_WIRED, EnforcementDoor
-from uapplace.errors import Busy, InvalidArgument, NotFound, Unavailable, UnknownModel
-from uapplace.model import (
+from uapplace.controller.door import NOT_YET_WIRED, EnforcementDoor
+from uapplace.controller.ports import EnforcementParts, Signature
+from uapplace.core.errors import Busy, InvalidArgument, NotFound, Unavailable, UnknownModel
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     Model,
@@ -19,7 +20,6 @@ from uapplace.model import (
     ParkReason,
     PendingEntry,
 )
-from uapplace.ports import EnforcementParts, Signature
 
 ALPHA = Model(
     key="alpha",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from uapplace.units import DROPIN_NAME, unit_name, write_conflict_dropins
+from uapplace.io.units import DROPIN_NAME, unit_name, write_conflict_dropins
 
 
 def dropin(unit_dir: Path, unit: str) -> Path:

@@ -1,6 +1,6 @@
 """The §4.6 sequence over fakes: every success path and every rollback branch.
 
-A real :class:`~uapplace.enforce.Enforcer` (real planner, real journal file) runs
+A real :class:`~uapplace.enforce.enforcer.Enforcer` (real planner, real journal file) runs
 against :mod:`enforce_fakes`: units in memory with scripted job outcomes, engines
 whose health follows their unit, and a host over plain lists whose gpu0 reading is
 what the running engines leave free. Timeouts are tiny, so a wait that must fail
@@ -28,13 +28,9 @@ from enforce_fakes import (
 )
 
 from tests.worlds.steps import APPLY_STEPS
-from uapplace.alerts import AlertKind, Severity
-from uapplace.capacity import ServicePolicy
-from uapplace.enforce import Enforcer
-from uapplace.enforce_host import ProxyRefresher
-from uapplace.errors import Drifted
-from uapplace.journal import Journal
-from uapplace.model import (
+from uapplace.core.alerts import AlertKind, Severity
+from uapplace.core.errors import Drifted
+from uapplace.core.model import (
     PAUSE_SUFFIX,
     Holder,
     ParkReason,
@@ -45,8 +41,12 @@ from uapplace.model import (
     ResidentKey,
     ResidentState,
 )
-from uapplace.planner import PlanInput, plan
-from uapplace.timeouts import Timeouts
+from uapplace.core.planner import PlanInput, plan
+from uapplace.enforce.enforcer import Enforcer
+from uapplace.enforce.host import ProxyRefresher
+from uapplace.files.capacity import ServicePolicy
+from uapplace.files.journal import Journal
+from uapplace.files.timeouts import Timeouts
 
 FAST = Timeouts(
     drain_s=0.05,

@@ -1,9 +1,9 @@
 """Enforcement safety without systemd: the preflight decision, timeouts from facts, alerts.
 
-:func:`~uapplace.preflight.preflight_problems` is pure (facts in, named problems out),
+:func:`~uapplace.enforce.preflight.preflight_problems` is pure (facts in, named problems out),
 so every refusal reason is shown here on plain values. The enforcer-level cases
-drive a real :class:`~uapplace.enforce.Enforcer` over the in-memory host of
-``enforce_fakes`` with a :class:`~uapplace.units.UnitManager` that is never
+drive a real :class:`~uapplace.enforce.enforcer.Enforcer` over the in-memory host of
+``enforce_fakes`` with a :class:`~uapplace.io.units.UnitManager` that is never
 connected: the preflight then cannot read the new unit, which must refuse the run
 before anything is touched.
 """
@@ -20,11 +20,8 @@ from typing import Any
 import pytest
 from enforce_fakes import ListHost, static_readings
 
-from uapplace.alerts import AlertKind, Severity
-from uapplace.enforce import Enforcer
-from uapplace.enforce_run import EnforcementResult, RunningAfter, StepRecord
-from uapplace.jsonfile import ConfigFileError
-from uapplace.model import (
+from uapplace.core.alerts import AlertKind, Severity
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     Device,
@@ -36,16 +33,19 @@ from uapplace.model import (
     Resident,
     ResidentState,
 )
-from uapplace.planner import PlanInput, plan
-from uapplace.preflight import (
+from uapplace.core.planner import PlanInput, plan
+from uapplace.enforce.enforcer import Enforcer
+from uapplace.enforce.preflight import (
     PreflightFacts,
     executable_problems,
     preflight_problems,
     preflight_summary,
 )
-from uapplace.registry import load_registry
-from uapplace.timeouts import Timeouts
-from uapplace.units import UnitManager, UnitState
+from uapplace.enforce.run import EnforcementResult, RunningAfter, StepRecord
+from uapplace.files.jsonfile import ConfigFileError
+from uapplace.files.registry import load_registry
+from uapplace.files.timeouts import Timeouts
+from uapplace.io.units import UnitManager, UnitState
 
 MEASURED_AT = "2026-10-08T14:02:00Z"
 

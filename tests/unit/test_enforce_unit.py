@@ -17,12 +17,8 @@ from pathlib import Path
 import pytest
 from enforce_fakes import FakeUnits, ListHost, measured, static_readings, swap_registry
 
-from uapplace.enforce import Enforcer
-from uapplace.enforce_run import EnforcementResult, StepRecord, normalize_signature
-from uapplace.engines import ProxyTokenRejected
-from uapplace.errors import Busy, Drifted, Failed, InvalidArgument, NotFound, UnknownModel
-from uapplace.jsonfile import ConfigFileError
-from uapplace.model import (
+from uapplace.core.errors import Busy, Drifted, Failed, InvalidArgument, NotFound, UnknownModel
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     Holder,
@@ -33,10 +29,14 @@ from uapplace.model import (
     Resident,
     ResidentState,
 )
-from uapplace.planner import PlanInput, plan
-from uapplace.timeouts import Timeouts
-from uapplace.units import UnitManager
-from uapplace.unitsync import EnforcementMarks, default_device, registry_units
+from uapplace.core.planner import PlanInput, plan
+from uapplace.enforce.enforcer import Enforcer
+from uapplace.enforce.run import EnforcementResult, StepRecord, normalize_signature
+from uapplace.files.jsonfile import ConfigFileError
+from uapplace.files.timeouts import Timeouts
+from uapplace.io.engines import ProxyTokenRejected
+from uapplace.io.units import UnitManager
+from uapplace.publish.unitsync import EnforcementMarks, default_device, registry_units
 
 MEASURED_AT = "2026-10-08T14:02:00Z"
 

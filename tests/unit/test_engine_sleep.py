@@ -22,8 +22,8 @@ import psutil
 import pytest
 from aiohttp import web
 
-from uapplace import engines
-from uapplace.engines import EngineError
+from uapplace.io import engines
+from uapplace.io.engines import EngineError
 from uapplace.sim.engine import READY_PREFIX, EngineMemory, EngineOptions, FakeEngine
 from uapplace.sim.gpu import SimGpu, sim_uuid
 

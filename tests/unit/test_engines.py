@@ -23,8 +23,8 @@ import pytest
 from aiohttp import web
 from http_fixtures import closed_port_url, serving
 
-from uapplace import engines
-from uapplace.engines import EngineError, ProxyClient, ProxyTokenRejected, parse_prometheus
+from uapplace.io import engines
+from uapplace.io.engines import EngineError, ProxyClient, ProxyTokenRejected, parse_prometheus
 from uapplace.sim.engine import READY_PREFIX, EngineOptions, FakeEngine
 from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from uapplace.jsonfile import ConfigFileError
-from uapplace.model import Config, ConfigStatus, Envelope, parse_iso
-from uapplace.registry import ENVELOPE_MAX_AGE_DAYS, envelope_staleness, load_registry
-from uapplace.registry_write import write_local_envelope, write_local_measurement
-from uapplace.timeouts import Timeouts
+from uapplace.core.model import Config, ConfigStatus, Envelope, parse_iso
+from uapplace.files.jsonfile import ConfigFileError
+from uapplace.files.registry import ENVELOPE_MAX_AGE_DAYS, envelope_staleness, load_registry
+from uapplace.files.registry_write import write_local_envelope, write_local_measurement
+from uapplace.files.timeouts import Timeouts
 
 ENVELOPE = Envelope(
     stop_s=2.0,

@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from uapplace.events import (
+from uapplace.bus.events import (
     GAP_EVENT,
     Event,
     EventError,

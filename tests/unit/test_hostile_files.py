@@ -21,23 +21,26 @@ import pytest
 from rich.console import Console
 from rich.table import Table
 
-from uapplace import cli_files, cli_session, jsonfile, textsafe
-from uapplace.alerts import AlertKind
-from uapplace.autopolicy import AutoPolicy, load_auto_policy
-from uapplace.capacity import load_capacity_policy
-from uapplace.controller import Controller
-from uapplace.jsonfile import ConfigFileError
-from uapplace.ledger import (
+from uapplace.cli import files as cli_files
+from uapplace.cli import session as cli_session
+from uapplace.controller.controller import Controller
+from uapplace.core import textsafe
+from uapplace.core.alerts import AlertKind
+from uapplace.files import jsonfile
+from uapplace.files.autopolicy import AutoPolicy, load_auto_policy
+from uapplace.files.capacity import load_capacity_policy
+from uapplace.files.jsonfile import ConfigFileError
+from uapplace.files.ledger import (
     Ledger,
     LedgerDoc,
     LedgerFileError,
     LedgerFormatError,
     parse_ledger_text,
 )
-from uapplace.paths import Paths
-from uapplace.registry import load_registry
+from uapplace.files.paths import Paths
+from uapplace.files.registry import load_registry
+from uapplace.files.timeouts import Timeouts
 from uapplace.sim.gpu import SimGpu, SimGpuError, SimGpuFileError
-from uapplace.timeouts import Timeouts
 
 SAMPLE_LEDGER: dict[str, Any] = {
     "version": 1,

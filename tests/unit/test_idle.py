@@ -18,12 +18,12 @@ from typing import Any
 import psutil
 import pytest
 
-from uapplace.admission import Admission
-from uapplace.auto import COOLDOWN_S
-from uapplace.autopolicy import PolicyStore
-from uapplace.errors import NotFound
-from uapplace.idle import IdleSweep, endpoint_port, established_local_ports
-from uapplace.model import (
+from uapplace.consent.auto import COOLDOWN_S
+from uapplace.consent.idle import IdleSweep, endpoint_port, established_local_ports
+from uapplace.controller.standing import Cooldowns, UsageClocks
+from uapplace.core.admission import Admission
+from uapplace.core.errors import NotFound
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     Holder,
@@ -33,7 +33,7 @@ from uapplace.model import (
     Resident,
     ResidentState,
 )
-from uapplace.standing import Cooldowns, UsageClocks
+from uapplace.files.autopolicy import PolicyStore
 
 T0 = 1_800_000_000.0
 WINDOW = 300

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from uapplace.journal import MAX_JOURNAL_BYTES, Journal, JournalError, RunRecord
-from uapplace.model import Resident, ResidentState
-from uapplace.paths import Paths
+from uapplace.core.model import Resident, ResidentState
+from uapplace.files.journal import MAX_JOURNAL_BYTES, Journal, JournalError, RunRecord
+from uapplace.files.paths import Paths
 
 
 def resident(model: str, config: str, unit: str, state: ResidentState) -> Resident:
@@ -174,7 +174,7 @@ def test_the_crash_hook_kills_the_process_only_after_the_record_is_durable(
         import asyncio, dataclasses, sys
         sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
         from tests.unit.test_journal import record
-        from uapplace.journal import Journal
+        from uapplace.files.journal import Journal
         journal = Journal(__import__("pathlib").Path({str(path)!r}), crash_at="start")
         asyncio.run(journal.record(record("verify-free")))
         print("survived verify-free", flush=True)

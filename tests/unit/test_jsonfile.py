@@ -1,4 +1,4 @@
-"""uapplace.jsonfile: the size, nesting, number and duplicate-key rules every reader shares."""
+"""files.jsonfile: the size, nesting, number and duplicate-key rules every reader shares."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from uapplace import jsonfile
-from uapplace.jsonfile import (
+from uapplace.files import jsonfile
+from uapplace.files.jsonfile import (
     CONFIG_MAX_BYTES,
     MAX_DEPTH,
     ConfigFileError,
@@ -174,7 +174,7 @@ def test_long_and_odd_keys_are_quoted_and_shortened_in_paths(tmp_path: Path) -> 
 
 def test_dumps_never_writes_a_bare_nan(caplog: pytest.LogCaptureFixture) -> None:
     value = {"ok": 1.5, "bad": [float("nan"), float("inf")], "neg": -float("inf")}
-    with caplog.at_level(logging.ERROR, logger="uapplace.jsonfile"):
+    with caplog.at_level(logging.ERROR, logger="uapplace.files.jsonfile"):
         text = dumps(value, sort_keys=True)
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text) == {"bad": [None, None], "neg": None, "ok": 1.5}

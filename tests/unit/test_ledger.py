@@ -14,20 +14,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from uapplace import ledger_schema
-from uapplace.alerts import Alert
-from uapplace.ledger import (
-    Ledger,
-    LedgerDoc,
-    LedgerFormatError,
-    LedgerLockTimeout,
-    doc_from_json,
-    doc_to_json,
-    option_from_json,
-    pending_from_json,
-    pending_to_json,
-)
-from uapplace.model import (
+from uapplace.core.alerts import Alert
+from uapplace.core.model import (
     DeviceKind,
     DeviceReading,
     Holder,
@@ -41,6 +29,18 @@ from uapplace.model import (
     ResidentState,
     Victim,
     parse_iso,
+)
+from uapplace.files import ledger_schema
+from uapplace.files.ledger import (
+    Ledger,
+    LedgerDoc,
+    LedgerFormatError,
+    LedgerLockTimeout,
+    doc_from_json,
+    doc_to_json,
+    option_from_json,
+    pending_from_json,
+    pending_to_json,
 )
 
 T0 = parse_iso("2026-10-08T14:02:00Z")
@@ -446,7 +446,7 @@ def test_readers_never_see_a_partial_file(tmp_path: Path) -> None:
 
 
 def test_alerts_round_trip_through_the_ledger() -> None:
-    from uapplace.alerts import AlertBoard, AlertKind, Severity
+    from uapplace.core.alerts import AlertBoard, AlertKind, Severity
 
     board = AlertBoard(lambda: T0)
     board.raise_alert(

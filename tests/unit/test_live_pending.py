@@ -3,7 +3,7 @@ call time, and entries parked while a swap runs are re-planned once it settles.
 
 The controller runs without a bus on real registry files, a real ledger and the
 simulated GPU. The in-flight source here is a small in-process
-:class:`~uapplace.ports.InflightSource` (the real proxy over HTTP is in
+:class:`~uapplace.controller.ports.InflightSource` (the real proxy over HTTP is in
 tests/bus/test_live_pending.py); the planner is the real one, wrapped where a
 test must hold one plan back to force an interleaving.
 """
@@ -20,12 +20,12 @@ import pytest
 from controller_fixtures import registry, registry_paths
 
 from tests.worlds.seed_docs import ALPHA_ENDPOINT, alpha_model, beta_model
-from uapplace import controller as controller_module
-from uapplace import views
-from uapplace.controller import Controller
-from uapplace.model import DEFAULT_CELLS, Holder, Plan, Resident, ResidentState
-from uapplace.paths import Paths
-from uapplace.planner import PlanInput, plan
+from uapplace.controller import controller as controller_module
+from uapplace.controller import views
+from uapplace.controller.controller import Controller
+from uapplace.core.model import DEFAULT_CELLS, Holder, Plan, Resident, ResidentState
+from uapplace.core.planner import PlanInput, plan
+from uapplace.files.paths import Paths
 
 REGISTRY = registry({"alpha": alpha_model(rails=1), "beta": beta_model()})
 ALPHA_TARGET = f"gpu0:{ALPHA_ENDPOINT}"

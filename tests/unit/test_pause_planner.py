@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from uapplace.model import (
+from uapplace.core.model import (
     PAUSE_SUFFIX,
     Config,
     ConfigStatus,
@@ -26,9 +26,9 @@ from uapplace.model import (
     Resident,
     ResidentState,
 )
-from uapplace.planner import PlanInput, plan
-from uapplace.ranking import rank_options
-from uapplace.victims import CONSEQUENCES, consequence, pause_consequence
+from uapplace.core.planner import PlanInput, plan
+from uapplace.core.ranking import rank_options
+from uapplace.core.victims import CONSEQUENCES, consequence, pause_consequence
 
 MEASURED_AT = "2026-10-08T14:02:00Z"
 CARD = Device("gpu0", DeviceKind.GPU, 24_576, 2_048)
@@ -331,7 +331,7 @@ def test_the_consequence_table_has_a_pause_row() -> None:
 
 
 def test_a_unit_that_can_pause_has_no_conflicts_edge_its_awake_size_would_draw() -> None:
-    from uapplace.conflicts import conflict_edges
+    from uapplace.core.conflicts import conflict_edges
 
     assert conflict_edges(registry(CODER_PLAIN, CHAT)) == {
         "unit-chat-q4": frozenset({"unit-coder-q4"}),
@@ -345,7 +345,7 @@ def test_a_unit_that_can_pause_has_no_conflicts_edge_its_awake_size_would_draw()
 
 
 def test_the_notification_labels_the_action_and_the_durations() -> None:
-    from uapplace.notify import action_label, body_text
+    from uapplace.daemon.notify import action_label, body_text
 
     result = plan(inputs(registry(CODER_SLEEPS, CHAT), [resident(CODER_SLEEPS)]), "chat")
     assert body_text(result).splitlines() == [

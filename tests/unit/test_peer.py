@@ -18,8 +18,8 @@ from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusError
 
-from uapplace.paths import BUS_NAME, INTERFACE, OBJECT_PATH
-from uapplace.peer import PeerListener, PeerRefused, connect_peer
+from uapplace.bus.peer import PeerListener, PeerRefused, connect_peer
+from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 FORWARD = ("forward", "gpu0:http://127.0.0.1:8080", "", "")
 
@@ -80,7 +80,7 @@ async def test_admit_is_answered_over_the_socket(listener: PeerListener) -> None
     assert forward.message_type is MessageType.METHOD_RETURN
     assert (forward.signature, forward.body) == ("ssss", list(FORWARD))
     assert park.body == ["park", "", "plc-0a1b2c", "cli:40000"]
-    assert bus.unique_name is not None and bus.unique_name.startswith(":uapplace.peer")
+    assert bus.unique_name is not None and bus.unique_name.startswith(":uapplace.bus.peer")
 
 
 async def test_an_error_from_admit_is_its_named_error(listener: PeerListener) -> None:
@@ -254,7 +254,7 @@ async def test_begin_and_the_first_message_in_one_packet(listener: PeerListener)
         assert client.reader is not None
         async with asyncio.timeout(10):
             reply = await client.reader.read(4096)
-    assert b":uapplace.peer" in reply
+    assert b":uapplace.bus.peer" in reply
 
 
 async def test_another_mechanism_is_rejected(listener: PeerListener) -> None:

@@ -8,8 +8,8 @@ from collections.abc import Iterable, Sequence
 
 import pytest
 
-from uapplace.eviction import EvictionItem, minimal_eviction
-from uapplace.model import (
+from uapplace.core.eviction import EvictionItem, minimal_eviction
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     Device,
@@ -26,8 +26,8 @@ from uapplace.model import (
     ResidentState,
     cost_mib,
 )
-from uapplace.planner import PlanInput, plan, plan_unload
-from uapplace.ranking import affinity_match, rank_options
+from uapplace.core.planner import PlanInput, plan, plan_unload
+from uapplace.core.ranking import affinity_match, rank_options
 
 MEASURED_AT = "2026-10-08T14:02:00Z"
 SESSION_CAP_CELLS = 114_688

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from uapplace.authz import Action
+from uapplace.daemon.authz import Action
 
 POLICY = Path(__file__).resolve().parents[2] / "polkit" / "org.uap.placement.policy"
 POLKIT_DTD = Path("/usr/share/polkit-1/policyconfig-1.dtd")

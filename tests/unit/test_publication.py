@@ -2,7 +2,7 @@
 
 The admission rule (only ``hot`` forwards, ``warming`` parks ``warming``), the
 controller's restore (a ledger's ``hot`` comes back ``warming``), the debounced
-re-plan of pending entries, and the one check of :mod:`uapplace.verify` against
+re-plan of pending entries, and the one check of :mod:`uapplace.publish.verify` against
 the real fake engine served over real HTTP on loopback.
 """
 
@@ -18,13 +18,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from uapplace import verify
-from uapplace.admission import Admission
-from uapplace.alerts import Alert, AlertBoard, AlertKind, Severity
-from uapplace.capacity import ServicePolicy
-from uapplace.controller import Controller
-from uapplace.ledger import LedgerDoc
-from uapplace.model import (
+from uapplace.controller.controller import Controller
+from uapplace.core.admission import Admission
+from uapplace.core.alerts import Alert, AlertBoard, AlertKind, Severity
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     Device,
@@ -36,8 +33,11 @@ from uapplace.model import (
     Resident,
     ResidentState,
 )
-from uapplace.paths import Paths
-from uapplace.publication import WRONG_ENGINE_FIRST_S, WRONG_ENGINE_MAX_S, verify_until_ok
+from uapplace.files.capacity import ServicePolicy
+from uapplace.files.ledger import LedgerDoc
+from uapplace.files.paths import Paths
+from uapplace.publish import verify
+from uapplace.publish.publication import WRONG_ENGINE_FIRST_S, WRONG_ENGINE_MAX_S, verify_until_ok
 from uapplace.sim.engine import EngineOptions, FakeEngine
 from uapplace.sim.gpu import SimGpu, sim_uuid
 

@@ -1,4 +1,4 @@
-"""Per-target rails (uapplace/rails.py) against the fake engine over real HTTP, and the
+"""Per-target rails (uapplace/io/rails.py) against the fake engine over real HTTP, and the
 gate's per-target semaphore map (uapplace/gate.py ``TargetSemaphores``) sized from them."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from aiohttp import web
 from http_fixtures import closed_port_url, serving
 
+from uapplace.core.model import Model, Resident, ResidentState
 from uapplace.gate import TargetSemaphores, rails_map
-from uapplace.model import Model, Resident, ResidentState
-from uapplace.rails import (
+from uapplace.io.rails import (
     EngineKind,
     ProbeState,
     RailsCache,

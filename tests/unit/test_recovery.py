@@ -1,8 +1,8 @@
-"""The start-up repair table of :mod:`uapplace.recovery`, row by row, over fakes.
+"""The start-up repair table of :mod:`uapplace.recovery.recover`, row by row, over fakes.
 
 The units, engines and controller are in-memory fakes with the interfaces the
-repair uses (:class:`~uapplace.seams.UnitControl`,
-:class:`~uapplace.seams.EngineProbe`, :class:`~uapplace.recovery_checks.RecoveryHost`);
+repair uses (:class:`~uapplace.io.seams.UnitControl`,
+:class:`~uapplace.io.seams.EngineProbe`, :class:`~uapplace.recovery.checks.RecoveryHost`);
 the journal is the real file. The fake units log every job, so the order
 "the new unit is down before a victim starts" is checked, not assumed. The same
 table against real units and a real SIGKILL: ``tests/systemd/test_crash_recovery.py``.
@@ -19,11 +19,8 @@ from typing import Any
 
 import pytest
 
-from uapplace.alerts import Alert, AlertBoard, AlertKind, Severity
-from uapplace.capacity import ServicePolicy
-from uapplace.engines import EngineError
-from uapplace.journal import Journal, RunRecord
-from uapplace.model import (
+from uapplace.core.alerts import Alert, AlertBoard, AlertKind, Severity
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     DeviceKind,
@@ -35,10 +32,13 @@ from uapplace.model import (
     Resident,
     ResidentState,
 )
-from uapplace.recovery import recover
-from uapplace.recovery_repair import Outcome, RecoveryReport
-from uapplace.timeouts import Timeouts
-from uapplace.units import JobOutcome, UnitState
+from uapplace.files.capacity import ServicePolicy
+from uapplace.files.journal import Journal, RunRecord
+from uapplace.files.timeouts import Timeouts
+from uapplace.io.engines import EngineError
+from uapplace.io.units import JobOutcome, UnitState
+from uapplace.recovery.recover import recover
+from uapplace.recovery.repair import Outcome, RecoveryReport
 
 FAST = Timeouts(
     verify_up_s=0.3,

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from uapplace.jsonfile import ConfigFileError
-from uapplace.model import DEFAULT_CELLS, Config, ConfigStatus, DeviceKind, cost_mib
-from uapplace.registry import RegistryLoad, load_registry, local_measurements, provenance_rows
-from uapplace.registry_write import write_local_device, write_local_measurement
-from uapplace.unitnames import unit_file_name, valid_unit_name
+from uapplace.core.model import DEFAULT_CELLS, Config, ConfigStatus, DeviceKind, cost_mib
+from uapplace.core.unitnames import unit_file_name, valid_unit_name
+from uapplace.files.jsonfile import ConfigFileError
+from uapplace.files.registry import RegistryLoad, load_registry, local_measurements, provenance_rows
+from uapplace.files.registry_write import write_local_device, write_local_measurement
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 

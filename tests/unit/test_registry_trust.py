@@ -24,12 +24,10 @@ from typing import Any
 import pytest
 from http_fixtures import serving
 
-from uapplace import verify, views
-from uapplace.admission import Admission
-from uapplace.capacity import load_capacity_policy, validate
-from uapplace.controller import Controller
-from uapplace.enforce_host import ControllerHost
-from uapplace.model import (
+from uapplace.controller import views
+from uapplace.controller.controller import Controller
+from uapplace.core.admission import Admission
+from uapplace.core.model import (
     DeviceKind,
     DeviceReading,
     ParkReason,
@@ -37,9 +35,12 @@ from uapplace.model import (
     ProbeSource,
     parse_iso,
 )
-from uapplace.paths import Paths
-from uapplace.planner import PlanInput, plan
-from uapplace.registry import gate_on_devices, load_registry, local_measurements
+from uapplace.core.planner import PlanInput, plan
+from uapplace.enforce.host import ControllerHost
+from uapplace.files.capacity import load_capacity_policy, validate
+from uapplace.files.paths import Paths
+from uapplace.files.registry import gate_on_devices, load_registry, local_measurements
+from uapplace.publish import verify
 from uapplace.sim.engine import EngineOptions, FakeEngine
 from uapplace.sim.gpu import SimGpu, sim_uuid
 

@@ -6,7 +6,7 @@ from typing import TypeVar
 
 import pytest
 
-from uapplace.client import PlacementError
+from uapplace.bus.client import PlacementError
 from uapplace.shim.bodies import (
     MISSING_SIGNATURE,
     ModelBody,

@@ -26,9 +26,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer, make_mocked_request
 
-from uapplace.client import PlacementError
-from uapplace.errors import Failed, unavailable
-from uapplace.model import DEFAULT_CELLS
+from uapplace.bus.client import PlacementError
+from uapplace.core.errors import Failed, unavailable
+from uapplace.core.model import DEFAULT_CELLS
 from uapplace.shim import main
 from uapplace.shim.access import (
     ADMIT_LOOPBACK_ONLY,

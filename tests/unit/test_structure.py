@@ -268,7 +268,7 @@ def test_a_binding_ends_with_its_function() -> None:
 
 def test_the_package_has_modules_to_check() -> None:
     names = {p.name for p in package_modules()}
-    assert {"controller.py", "auto.py", "idle.py", "enforce_host.py", "wiring.py"} <= names
+    assert {"controller.py", "auto.py", "idle.py", "host.py", "wiring.py"} <= names
 
 
 def test_only_the_controller_writes_its_attributes() -> None:

@@ -1,4 +1,4 @@
-"""Single-upstream proxy topology checks (uapplace/topology.py)."""
+"""Single-upstream proxy topology checks (uapplace/core/topology.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from uapplace.capacity import validate
-from uapplace.jsonfile import ConfigFileError
-from uapplace.model import (
+from uapplace.core.model import (
     Config,
     ConfigStatus,
     Device,
@@ -24,15 +22,17 @@ from uapplace.model import (
     Resident,
     ResidentState,
 )
-from uapplace.planner import PlanInput, plan
-from uapplace.registry import load_registry
-from uapplace.topology import (
+from uapplace.core.planner import PlanInput, plan
+from uapplace.core.topology import (
     UNREACHABLE,
     normalize_endpoint,
     same_endpoint,
     single_upstream_problems,
     verify_endpoint,
 )
+from uapplace.files.capacity import validate
+from uapplace.files.jsonfile import ConfigFileError
+from uapplace.files.registry import load_registry
 
 UPSTREAM = "http://127.0.0.1:8080"
 

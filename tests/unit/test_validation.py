@@ -1,4 +1,4 @@
-"""The first pydantic problem as text (``uapplace.validation``): one extraction, each
+"""The first pydantic problem as text (``uapplace.core.validation``): one extraction, each
 edge's wording kept by parameters."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from uapplace.validation import first_error, first_error_text
+from uapplace.core.validation import first_error, first_error_text
 
 
 class _Inner(BaseModel):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from uapplace.alerts import Alert, AlertKind, Severity
-from uapplace.model import ParkReason, PendingEntry, Plan, PreviewReason
-from uapplace.wiring import QuietUntilStarted
+from uapplace.core.alerts import Alert, AlertKind, Severity
+from uapplace.core.model import ParkReason, PendingEntry, Plan, PreviewReason
+from uapplace.daemon.wiring import QuietUntilStarted
 
 ENTRY = PendingEntry("plc-000001", "alpha", "c", None, 0.0, 1.0, ParkReason.NOT_RESIDENT)
 PLAN = Plan("alpha", PreviewReason.OK, ())

@@ -5,7 +5,7 @@ The UAP proxy asks a *placement controller* over HTTP; pointing its
 Each route is one call on the ``org.uap.Placement1`` bus API over one persistent
 bus connection (reconnected on loss). The shim holds no placement state. Admit,
 the hot path, goes over uapplaced's Admit-only peer-to-peer socket
-(``$XDG_RUNTIME_DIR/uapplace/bus``, :mod:`uapplace.peer`) once the shim has
+(``$XDG_RUNTIME_DIR/uapplace/bus``, :mod:`uapplace.bus.peer`) once the shim has
 checked that the process listening there owns ``org.uap.Placement1`` on its bus;
 otherwise (or with ``--no-peer``) over the bus too.
 

@@ -20,10 +20,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from uapplace.admission import MAX_MODEL_ID_CHARS
-from uapplace.model import DEFAULT_CELLS, PAUSE_SUFFIX
+from uapplace.core.admission import MAX_MODEL_ID_CHARS
+from uapplace.core.model import DEFAULT_CELLS, PAUSE_SUFFIX
+from uapplace.core.validation import first_error
 from uapplace.shim.responses import ClientGone, HttpError, shown
-from uapplace.validation import first_error
 
 BODY_LIMIT = 10240
 FIELD_LIMIT = 128

@@ -1,8 +1,8 @@
 """The shim's event routes: ``GET /api/placement/events`` (SSE) and its bus feed.
 
 :class:`EventFeed` keeps one bus connection of its own subscribed to the
-daemon's signals (:class:`uapplace.events.SignalRelay`) and feeds a bounded
-:class:`uapplace.events.EventLog`, reconnecting after a loss. It runs whether or
+daemon's signals (:class:`uapplace.bus.events.SignalRelay`) and feeds a bounded
+:class:`uapplace.bus.events.EventLog`, reconnecting after a loss. It runs whether or
 not anyone is reading, so a client that reconnects with ``Last-Event-ID`` finds
 what happened while it was away (within the log's capacity; beyond it, an
 ``EventsLost`` notice). The match rule names the daemon's well-known bus name,
@@ -13,7 +13,7 @@ recovery.
 
 :func:`stream_events` is the route handler's body: ``text/event-stream``, a
 ``retry:`` line, then each event as ``id``/``event``/``data`` (one JSON line:
-:meth:`uapplace.events.Event.to_json`), a comment every ``keepalive_s`` while
+:meth:`uapplace.bus.events.Event.to_json`), a comment every ``keepalive_s`` while
 idle so the connection and any proxy between stay open. The resume point is the
 ``Last-Event-ID`` header (what ``EventSource`` sends on reconnect), or a
 ``last_event_id`` query parameter for clients that cannot set headers.
@@ -30,7 +30,7 @@ from aiohttp import web
 from dbus_fast import BusType
 from dbus_fast.aio import MessageBus
 
-from uapplace.events import (
+from uapplace.bus.events import (
     EventLog,
     SignalRelay,
     format_sse,

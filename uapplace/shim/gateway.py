@@ -6,7 +6,7 @@ Owned by the app (:func:`uapplace.shim.app.create_app` builds one
 :meth:`BusGateway.call`. What the gateway decides: whether the daemon is
 *unavailable* (:class:`DaemonUnavailable`: no bus, no daemon on it, no answer in
 time, a lost connection), which the handlers answer ``503``. The daemon's own
-error replies pass through as :class:`uapplace.client.PlacementError`.
+error replies pass through as :class:`uapplace.bus.client.PlacementError`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import TypeAlias, TypeVar
 
 from dbus_fast import MessageType
 
-from uapplace.busutil import bus_daemon_message
-from uapplace.client import PlacementClient, PlacementError
-from uapplace.paths import BUS_NAME
-from uapplace.peer import connect_peer
+from uapplace.bus.client import PlacementClient, PlacementError
+from uapplace.bus.peer import connect_peer
+from uapplace.bus.util import bus_daemon_message
+from uapplace.files.paths import BUS_NAME
 from uapplace.shim.metrics import ShimMetrics
 from uapplace.shim.responses import HttpError
 
@@ -69,8 +69,8 @@ class BusGateway:
     Every call runs under a deadline covering the (re)connect and the call, and
     its latency lands in the metrics whatever the outcome.
 
-    The peer socket (:mod:`uapplace.peer`) skips ``dbus-daemon``'s two hops on the
-    hot path. It is used only once :func:`uapplace.peer.connect_peer` has checked
+    The peer socket (:mod:`uapplace.bus.peer`) skips ``dbus-daemon``'s two hops on the
+    hot path. It is used only once :func:`uapplace.bus.peer.connect_peer` has checked
     that its listener is the process owning ``org.uap.Placement1`` on this bus;
     until then, after a failed attempt (retried at most every
     :data:`PEER_RETRY_S`), or with ``peer_socket=None``, admits take the bus.

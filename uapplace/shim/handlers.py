@@ -38,8 +38,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from uapplace.client import PlacementClient, PlacementError
-from uapplace.events import EventError, EventLog
+from uapplace.bus.client import PlacementClient, PlacementError
+from uapplace.bus.events import EventError, EventLog
 from uapplace.shim.access import (
     ADMIT_LOOPBACK_ONLY,
     is_loopback_peer,

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from uapplace.counters import render_counters, render_targets
+from uapplace.io.counters import render_counters, render_targets
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from uapplace.busutil import user_bus_address
-from uapplace.paths import Paths
+from uapplace.bus.util import user_bus_address
+from uapplace.files.paths import Paths
 from uapplace.shim.access import load_or_create_token
 from uapplace.shim.app import create_app
 from uapplace.shim.overload import (

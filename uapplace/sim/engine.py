@@ -27,7 +27,7 @@ is 200 ``{"status": "ok"}``.
   ``llamacpp:requests_deferred``, ``llamacpp:max_context`` (the context pool in
   cells), ``llamacpp:slots`` (gauges), and the info gauge
   ``llamacpp:engine_info{kv="int8",model="<id>",engine="uapplace-sim"} 1``.
-  :func:`uapplace.engines.metrics` turns these into ``max_context → 131072.0``
+  :func:`uapplace.io.engines.metrics` turns these into ``max_context → 131072.0``
   and ``kv → "int8"``: the keys of ``metricsMustMatch``.
 - ``POST /v1/chat/completions``: a canned completion whose text names the
   model; ``"stream": true`` gets the same text as one SSE chunk and ``[DONE]``.
@@ -88,7 +88,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from uapplace.jsonfile import atomic_write
+from uapplace.files.jsonfile import atomic_write
 from uapplace.sim.gpu import SimGpu, SimGpuError
 
 ENGINE_NAME = "uapplace-sim"

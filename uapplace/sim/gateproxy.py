@@ -52,7 +52,7 @@ when the proxy has a token:
   :attr:`GateProxy.refreshes`.
 
 Command line: ``python -m uapplace.sim.gateproxy --controller URL [--port P]``
-(the token is ``PROXY_AUTH_TOKEN`` as :meth:`uapplace.paths.Paths.proxy_token`
+(the token is ``PROXY_AUTH_TOKEN`` as :meth:`uapplace.files.paths.Paths.proxy_token`
 finds it); prints ``uapplace-gateproxy listening on http://127.0.0.1:P``.
 """
 
@@ -74,6 +74,9 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from uapplace.core.model import iso
+from uapplace.core.validation import first_error_text
+from uapplace.files.paths import Paths
 from uapplace.gate import (
     FALLBACK_TARGET,
     GateClient,
@@ -82,10 +85,7 @@ from uapplace.gate import (
     new_placement_id,
     park_409,
 )
-from uapplace.model import iso
-from uapplace.paths import Paths
 from uapplace.sim import serving
-from uapplace.validation import first_error_text
 
 READY_PREFIX = "uapplace-gateproxy listening on "
 UNROUTABLE = "unroutable_target"

@@ -36,9 +36,9 @@ from typing import Any, Literal
 import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from uapplace import jsonfile
-from uapplace.jsonfile import ConfigFileError, LockTimeout, atomic_write, exclusive_lock
-from uapplace.ledger import describe_validation_error
+from uapplace.files import jsonfile
+from uapplace.files.jsonfile import ConfigFileError, LockTimeout, atomic_write, exclusive_lock
+from uapplace.files.ledger import describe_validation_error
 
 SIM_UUID_PREFIX = "GPU-sim-"
 LOCK_TIMEOUT_S = 10.0
@@ -50,7 +50,7 @@ class SimGpuError(Exception):
 
 class SimGpuFileError(ConfigFileError, SimGpuError):
     """The state file is unreadable, over 4 MiB, nested too deep, not JSON, or holds a
-    number that is not finite (:mod:`uapplace.jsonfile`); names file and JSON path."""
+    number that is not finite (:mod:`uapplace.files.jsonfile`); names file and JSON path."""
 
 
 class SimGpuOutOfMemory(SimGpuError):

@@ -25,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from uapplace.model import iso
+from uapplace.core.model import iso
 from uapplace.sim import serving
 
 READY_PREFIX = "uapplace-sim-proxy listening on "

@@ -1,0 +1,5 @@
+"""``python -m uapplace.cli``: the ``uapplace`` command."""
+
+from uapplace.cli.app import main
+
+main()

@@ -1,0 +1,13 @@
+"""The controller: all live state, written only by itself.
+
+``controller.Controller`` owns the admission table, residents, holds, usage clocks,
+cooldowns and alerts; the other modules are its parts: the configuration in force
+(``configstate``), pending entries' options (``pending``), the ledger's write-behind
+(``persist``), holds (``holds``), usage and cooldowns (``standing``), what follows an
+alert (``alertdesk``), the ``Conflicts=`` drop-ins (``dropins``), its JSON views
+(``views``), the Protocols of its collaborators (``ports``) and the door to
+enforcement (``door``).
+
+May import: ``core``, ``files``, ``bus``, ``io``. It knows no machinery: enforcement,
+recovery and publication call it, never the other way round.
+"""

@@ -1,0 +1,600 @@
+"""The one object that owns placement state while ``uapplaced`` runs.
+
+It holds the configuration in force (:class:`~uapplace.controller.configstate.LiveConfig`), the
+admission table, the residents, the bus holds, usage clocks and cooldowns, and the
+alerts, and writes all of them itself. Everyone else changes them through its methods
+(and those of the small state objects it owns: ``usage``, ``cooldowns``, ``holds``),
+which mark the ledger dirty themselves: the auto runner (``replace_pending``,
+``cooldowns.start``), the idle sweep (``usage.touch``), enforcement and recovery
+(through ``enforce_host.ControllerHost``). ``tests/unit/test_structure.py`` checks
+that no other module assigns to its attributes.
+
+Its collaborators come in one :class:`~uapplace.controller.ports.Collaborators` at construction.
+The enforcer, measurer and auto runner are the exception, and the only late-bound
+part: they need the controller as their host (a cycle), and they exist only with a
+systemd user manager. ``wiring`` builds them over a host on this controller and hands
+them over once through :attr:`Controller.enforcement` (``attach``), or says why there
+are none (``unavailable``); until then Apply/Load/Unload/Measure answer the typed
+``Unavailable`` (:mod:`uapplace.controller.door`).
+
+Three rules shape the code:
+
+- **``admit`` never blocks.** It is dictionary look-ups (``Admission.decide``)
+  plus bookkeeping. Everything slow a new park needs (the proxy's in-flight
+  list, a probe, the planner, the ledger, the notification) runs after the
+  answer has been sent, scheduled with ``loop.call_soon``.
+- **The ledger is written behind** (:mod:`uapplace.controller.persist`).
+- **A bad reload keeps the last good registry.** The error is kept and shown
+  by ``Validate`` and ``GetState``; placement goes on with what was loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from uapplace import __version__
+from uapplace.controller.alertdesk import AlertDesk
+from uapplace.controller.configstate import ConfigState, LiveConfig, report_topology
+from uapplace.controller.door import EnforcementDoor
+from uapplace.controller.dropins import ManagerReload, no_manager_to_reload
+from uapplace.controller.holds import HoldTable
+from uapplace.controller.pending import PendingPlanning
+from uapplace.controller.persist import (
+    DEFAULT_DEBOUNCE_S,
+    DEFAULT_USAGE_FLUSH_S,
+    LedgerWriter,
+    repair_report,
+)
+from uapplace.controller.ports import (
+    Collaborators,
+    ControllerEvents,
+    InflightSource,
+    ResidentRow,
+    standalone_collaborators,
+)
+from uapplace.controller.standing import Cooldowns, UsageClocks
+from uapplace.core.admission import (
+    DEFAULT_TTL_SECONDS,
+    TRIM_AFTER_EXPIRED,
+    Admission,
+    return_freed_memory_soon,
+)
+from uapplace.core.alerts import AlertKind, Severity
+from uapplace.core.errors import InvalidArgument, NotFound, no_pending
+from uapplace.core.model import (
+    DEFAULT_CELLS,
+    Decision,
+    DeviceReading,
+    Holder,
+    Model,
+    ParkReason,
+    PendingEntry,
+    Plan,
+    Registry,
+    Resident,
+    ResidentState,
+)
+from uapplace.core.planner import PlanInput, plan
+from uapplace.files.capacity import ServicePolicy
+from uapplace.files.jsonfile import ConfigFileError
+from uapplace.files.ledger import Ledger, LedgerDoc
+from uapplace.files.paths import Paths
+from uapplace.io.counters import DaemonCounters
+from uapplace.io.engines import ProxyTokenRejected
+from uapplace.io.rails import RailsCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TICK_S = 5.0
+DEFAULT_SHUTDOWN_WAIT_S = 30.0
+DEADLINE_PASSED = "deadline_passed"
+"""The reason of an ``AdmitBy`` answered after its caller's deadline (no entry, no id)."""
+GONE = "gone"
+"""The ``ResidentChanged`` state of a resident that is no longer loaded."""
+
+
+class Controller:
+    def __init__(
+        self,
+        config: LiveConfig,
+        ledger: Ledger,
+        collaborators: Collaborators,
+        *,
+        clock: Callable[[], float] = time.time,
+        debounce_s: float = DEFAULT_DEBOUNCE_S,
+        usage_flush_s: float = DEFAULT_USAGE_FLUSH_S,
+        tick_s: float = DEFAULT_TICK_S,
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.collaborators = collaborators
+        self.events: ControllerEvents = collaborators.events
+        ttl = config.paths.test_pending_ttl_s or DEFAULT_TTL_SECONDS
+        self.admission = Admission(config.registry(), ttl=ttl)
+        self.residents: list[Resident] = []
+        self.usage = UsageClocks(self.mark_dirty)
+        """Model key → its last gated forward (the idle sweep's clock; in the ledger)."""
+        self.cooldowns = Cooldowns(self.mark_dirty)
+        """Model → until when automation leaves it alone after a failed run (in the ledger)."""
+        self.holds = HoldTable()
+        self.counters = DaemonCounters()
+        """Admits, runs, steps, alerts however they arrived (``GetState.counters``)."""
+        self.alerts = AlertDesk(
+            clock, self.counters, self.events, collaborators.notifier, self.spawn, self.mark_dirty
+        )
+        self.alert_board = self.alerts.board
+        """Where every safety path reports (:class:`~uapplace.core.alerts.AlertBoard`)."""
+        self.rails = RailsCache()
+        """Per-target rails of the residents (``GetState.targets``, issue 13)."""
+        self.version = __version__
+        self.reload_error: ConfigFileError | None = None
+        self.enforcement = EnforcementDoor(self.flush, self.live_pending_entry, self.model_named)
+        """Apply/Load/Unload/Measure; the one late-bound part (see the module docstring)."""
+        self._clock = clock
+        self._tick_s = tick_s
+        self._writer = LedgerWriter(
+            ledger,
+            lambda: self.document({}, self.residents_with_holders(None)),
+            lambda: self.config.state.probe,
+            debounce_s=debounce_s,
+            usage_flush_s=usage_flush_s,
+        )
+        self._usage_keys: dict[str, str] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self.planning = PendingPlanning(
+            self.admission,
+            self.plan_for,
+            self.plan_input,
+            self.replace_pending,
+            self._after_planned,
+            self.spawn,
+        )
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def open(
+        cls,
+        paths: Paths,
+        *,
+        events: ControllerEvents | None = None,
+        proxy: InflightSource | None = None,
+        reload_units: ManagerReload = no_manager_to_reload,
+        **kwargs: Any,
+    ) -> Controller:
+        """A controller on the files ``paths`` names, without a bus (tests, tools).
+
+        Blocking; raises :class:`~uapplace.files.jsonfile.ConfigFileError` for an invalid
+        repo registry. The daemon is assembled by :func:`uapplace.daemon.wiring.build`."""
+        config = LiveConfig(ConfigState.read(paths))
+        parts = standalone_collaborators(config, events, proxy, reload_units)
+        return cls(config, Ledger(paths.ledger), parts, **kwargs)
+
+    async def start(self) -> None:
+        """Restore from the ledger, then start the writer and the expiry tick."""
+        await self.restore_from_ledger()
+        report_topology(self.config.state.registry_load, self.alert_board)
+        self.start_background()
+
+    def start_background(self) -> None:
+        """The write-behind task and the expiry tick; the first write lands right away."""
+        self._tasks = [
+            asyncio.create_task(self._writer.run(), name="ledger-writer"),
+            asyncio.create_task(self._tick(), name="expiry-tick"),
+            asyncio.create_task(self.planning.run(), name="pending-replanner"),
+        ]
+        self.mark_dirty()
+        self.planning.request_replan()
+
+    def restore(self, doc: LedgerDoc) -> None:
+        """Residents, usage, cooldowns and live pending entries from the ledger."""
+        now = self._clock()
+        # Holders are live facts (connections, requests); none survives a restart.
+        # Publication (DESIGN §5a invariant 2): a resident is forwarded to only after a
+        # verify-up passed in this daemon's life, so every restored resident that was
+        # serving is ``warming`` until the unit sync (or LedgerPublication) verifies it.
+        self.residents = [
+            replace(r, holders=(), state=ResidentState.WARMING)
+            if r.state is ResidentState.HOT
+            else replace(r, holders=())
+            for r in doc.residents
+        ]
+        self.admission.set_residents(self.residents)
+        self.usage.restore(doc.usage)
+        self.cooldowns.restore(doc.cooldowns, now)
+        self.alerts.restore(doc.alerts)
+        dropped = self.admission.restore(doc.pending, now)
+        log.info(
+            "restored %d resident(s), %d pending (%d dropped as expired or superseded)",
+            len(self.residents),
+            len(self.admission.pending),
+            len(dropped),
+        )
+
+    async def restore_from_ledger(self) -> None:
+        """Read the ledger (a corrupt one is moved aside by :class:`Ledger`) and restore."""
+        doc = await asyncio.to_thread(self.ledger.read)
+        moved = self._writer.take_error()
+        self.restore(doc)
+        repaired = repair_report(moved, doc.dropped)
+        if repaired is not None:  # moved aside or items dropped alone: a human should know
+            kind, severity = AlertKind.CONFIG_ERROR, Severity.WARNING
+            self.alert_board.raise_alert(kind, severity, str(self.ledger.path), *repaired)
+
+    async def shutdown(self, wait_s: float = DEFAULT_SHUTDOWN_WAIT_S) -> None:
+        """Refuse new enforcement, let a running one end (bounded), flush the ledger."""
+        await self.enforcement.close(wait_s)
+        for task in [*self._tasks, *self._background]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        self._tasks = []
+        try:
+            self._writer.flush_blocking()
+        except Exception as err:  # a flush failure must not turn a clean stop into a crash
+            log.error("could not flush the ledger at shutdown: %s", err)
+
+    # ------------------------------------------------------------------ the hot path
+
+    def admit(self, model: str, client: str, session: str, cells: int, deadline_us: int = 0) -> Any:
+        """Forward or park; O(1), never blocks, never awaits the ledger.
+
+        ``deadline_us`` (``AdmitBy``; CLOCK_MONOTONIC µs, 0 = none): an admit handled
+        after its caller's deadline changes nothing and answers a park without an id
+        (reason ``deadline_passed``): the caller has gone, and a pending entry whose id
+        no client received would be a ghost (issue 13).
+        """
+        if deadline_us and time.monotonic_ns() // 1000 > deadline_us:
+            self.counters.admit("dropped", DEADLINE_PASSED)
+            log.info(
+                "admit of %r for %r arrived after its caller's deadline: no pending entry",
+                model,
+                client,
+            )
+            return Decision("park", reason=DEADLINE_PASSED)
+        now = self._clock()
+        decision, entry = self.admission.decide(
+            model, client, session or None, cells or DEFAULT_CELLS, now
+        )
+        self.counters.admit(decision.decision, decision.reason)
+        if decision.decision == "forward":
+            self.usage.touch(self.model_key(model), now)
+        elif entry is not None:
+            asyncio.get_running_loop().call_soon(self._after_park, entry)
+        return decision
+
+    def model_key(self, requested: str) -> str:
+        """The registry key a requested id names (itself when no model has it); cached."""
+        key = self._usage_keys.get(requested)
+        if key is None:
+            resolved = self.registry.lookup(requested)
+            key = resolved[0].key if resolved is not None else requested
+            self._usage_keys[requested] = key
+        return key
+
+    def _after_park(self, entry: PendingEntry) -> None:
+        for pushed_out in self.admission.take_evicted():  # the pending caps (admission.py)
+            self.planning.forget(pushed_out.id)
+            self.resolve_pending(pushed_out, "expired", already_removed=True)
+        self.events.on_parked(entry)
+        self.events.on_pending_count(self.pending_count)
+        self.mark_dirty()
+        self.planning.queue(entry)
+
+    async def _after_planned(self, entry: PendingEntry, found: Plan) -> None:
+        """A new park has its options: the auto runner's turn, else the operator's."""
+        reason = await self.enforcement.schedule_auto(entry, found)
+        if reason is ParkReason.AUTO_LOADING:
+            return  # no operator decision to ask for: the load is under way
+        entry = self.admission.get(entry.id) or entry
+        # The bubble names who asked; the victims' own clients are in its body.
+        await self.collaborators.notifier.parked(entry, found, [entry.client])
+
+    # ------------------------------------------------------------------ planning
+
+    async def plan_for(self, model: str, cells: int, inp: PlanInput | None = None) -> Plan:
+        """The one "plan with fresh input": the planner (in a thread) on ``inp``, or on
+        the residents, holders and readings now (:meth:`plan_input`)."""
+        if inp is None:
+            inp = await self.plan_input()
+        return await asyncio.to_thread(plan, inp, model, cells)
+
+    async def plan_input(self) -> PlanInput:
+        """Residents with their holders (bus holds + the proxy's in-flight), and fresh readings."""
+        inflight = await self.inflight()
+        readings = await self.read_devices()
+        residents = self.residents_with_holders(inflight)
+        return PlanInput(self.registry, residents, readings, inflight_known=inflight is not None)
+
+    async def inflight(
+        self, *, raise_token_rejected: bool = False
+    ) -> Mapping[str, Sequence[Holder]] | None:
+        """The proxy's in-flight list now (its client's timeout bounds the wait);
+        ``None`` when there is no proxy answer: unknown, which counts as busy.
+        A 401 raises the ``token_mismatch`` alert (once while open); with
+        ``raise_token_rejected`` it is raised too: a drain stops on it at once."""
+        try:
+            return await self.collaborators.proxy.inflight()
+        except ProxyTokenRejected as err:
+            self.alerts.token_rejected(self.paths.proxy_url, str(err))
+            if raise_token_rejected:
+                raise
+            log.warning("proxy in-flight list unavailable: %s", err)
+            return None
+        except Exception as err:  # unknown counts as busy; never guess idle
+            log.warning("proxy in-flight list unavailable: %s", err)
+            return None
+
+    def holders_for(self, resident: Resident) -> list[Holder]:
+        """The bus holds on ``resident``."""
+        return self.holds.holders_for(resident)
+
+    def residents_with_holders(
+        self, inflight: Mapping[str, Sequence[Holder]] | None
+    ) -> list[Resident]:
+        """The residents now; with ``None`` their holders are the bus holds only."""
+        out = []
+        for resident in self.residents:
+            holders = self.holders_for(resident)
+            if inflight is not None:
+                holders.extend(inflight.get(resident.target_id, ()))
+            out.append(replace(resident, holders=tuple(holders)))
+        return out
+
+    async def read_devices(self) -> Mapping[str, DeviceReading]:
+        """A fresh probe of every device (the blocking probe runs in a thread)."""
+        return await asyncio.to_thread(self.config.state.probe.read)
+
+    # ------------------------------------------------------------------ reads
+
+    @property
+    def paths(self) -> Paths:
+        return self.config.paths
+
+    @property
+    def registry(self) -> Registry:
+        return self.config.registry()
+
+    @property
+    def pending_count(self) -> int:
+        return len(self.admission.pending)
+
+    def resident_rows(self) -> list[ResidentRow]:
+        return [(r.model, r.config, r.device, r.state.value) for r in self.residents]
+
+    def pending_entries(self) -> list[PendingEntry]:
+        return sorted(self.admission.pending.values(), key=lambda e: e.created_at)
+
+    def pending_entry(self, placement_id: str) -> PendingEntry | None:
+        """The entry, expired or not (the tick drops and announces expired ones)."""
+        return self.admission.get(placement_id)
+
+    def live_pending_entry(self, placement_id: str) -> PendingEntry | None:
+        """The entry unless it expired (an expired one is dropped now)."""
+        return self.admission.get(placement_id, self._clock())
+
+    def model_named(self, model: str) -> Model:
+        return self.config.state.model_named(model)
+
+    def service_policy(self, model: Model) -> ServicePolicy | None:
+        return self.config.state.service_policy(model)
+
+    def resident(self, model: str, config: str, device: str) -> Resident | None:
+        return next(
+            (r for r in self.residents if (r.model, r.config, r.device) == (model, config, device)),
+            None,
+        )
+
+    # ------------------------------------------------------------------ writes: pending
+
+    def dismiss(self, placement_id: str) -> bool:
+        if not self.resolve_pending_id(placement_id, "dismissed"):
+            raise no_pending(placement_id)
+        return True
+
+    def resolve_pending(
+        self, entry: PendingEntry, outcome: str, already_removed: bool = False
+    ) -> None:
+        """Drop a pending entry and say so (``Resolved``, notifier, ledger)."""
+        if not already_removed:
+            self.admission.remove(entry.id)
+        self.events.on_resolved(entry.id, outcome)
+        self.events.on_pending_count(self.pending_count)
+        self.spawn(self.collaborators.notifier.resolved(entry.id, outcome), f"resolved-{entry.id}")
+        self.mark_dirty()
+
+    def resolve_pending_id(self, placement_id: str, outcome: str) -> bool:
+        """Resolve entry ``placement_id`` (if still there) with ``outcome``."""
+        entry = self.admission.get(placement_id)
+        if entry is None:
+            return False
+        self.resolve_pending(entry, outcome)
+        return True
+
+    def resolve_served(self, resident: Resident, outcome: str) -> list[str]:
+        """Resolve every pending entry ``resident`` serves with ``outcome``; their ids."""
+        entries = self.admission.resolved_by(resident)
+        for entry in entries:
+            self.resolve_pending(entry, outcome)
+        return [e.id for e in entries]
+
+    def replace_pending(self, entry: PendingEntry) -> None:
+        """Store a changed pending entry (options, reason, expiry) and persist it."""
+        self.admission.replace(entry)
+        self.mark_dirty()
+
+    # ------------------------------------------------------------------ operator writes
+
+    # ------------------------------------------------------------------ config
+
+    async def reload(self) -> bool:
+        """Re-read registry and policy; a bad repo registry keeps the last good one running."""
+        try:
+            state = await asyncio.to_thread(self.config.state.reread, self._clock)
+        except ConfigFileError as err:
+            self.reload_error = err
+            log.error("registry reload failed, keeping the last good one: %s", err)
+            # The operator's edit is being ignored: say so where they look (status
+            # banner, a notification), not only in the log and `validate`.
+            self.alert_board.raise_alert(
+                AlertKind.CONFIG_ERROR,
+                Severity.WARNING,
+                str(err.file),
+                f"the registry does not load ({err}); uapplaced keeps placing with the last "
+                "good one until it is fixed",
+            )
+            return False
+        self.reload_error = None
+        self.config.swap(state)
+        self.admission.set_registry(state.registry)
+        self._usage_keys.clear()
+        report_topology(self.config.state.registry_load, self.alert_board)
+        await self.collaborators.unit_writer.refresh()
+        return True
+
+    # ------------------------------------------------------------------ holds
+
+    async def hold(self, model: str, reason: str, app_id: str, sender: str) -> int:
+        """Pin ``model``: while held, a resident serving it is never a victim."""
+        key = self.model_named(model).key
+        if not reason.strip():
+            raise InvalidArgument("a hold needs a reason (shown to the operator next to the pin)")
+        held = self.holds.take(key, reason, app_id, sender, self._clock())
+        log.info("hold %d on %s by %s (%s): %s", held.cookie, key, app_id or "-", sender, reason)
+        self._holds_changed()
+        if sender and not await self.collaborators.peer_connected(sender):
+            self.drop_holds_of(sender)  # it disconnected before we could watch it
+        return held.cookie
+
+    def hold_owner(self, cookie: int) -> str:
+        """The bus connection that took hold ``cookie`` (``NotFound`` when there is none)."""
+        return self.holds.existing(cookie).sender
+
+    def release(self, cookie: int, sender: str, *, may_release_others: bool = False) -> None:
+        """End a hold. Only the connection that took it may, unless the caller was
+        authorized for ``org.uap.placement.release-others`` (``may_release_others``)."""
+        held = self.holds.release(cookie, sender, may_release_others=may_release_others)
+        log.info("hold %d on %s released by %s", cookie, held.model, sender or "-")
+        self._holds_changed()
+
+    def drop_holds_of(self, sender: str) -> None:
+        """``sender`` left the bus: its holds end with it."""
+        gone = self.holds.drop_sender(sender)
+        for held in gone:
+            log.info("hold %d on %s ended: %s left the bus", held.cookie, held.model, sender)
+        if gone:
+            self._holds_changed()
+
+    def _holds_changed(self) -> None:
+        self.mark_dirty()
+        self.planning.request_replan()  # a held resident is never a victim: options change
+
+    # ------------------------------------------------------------------ residents
+
+    def upsert_resident(self, resident: Resident) -> None:
+        """Add a resident or replace the one with the same model/config/device."""
+        key = (resident.model, resident.config, resident.device)
+        others = [r for r in self.residents if (r.model, r.config, r.device) != key]
+        self._set_residents([*others, resident])
+        self.events.on_resident_changed(
+            (resident.model, resident.config, resident.device, resident.state.value)
+        )
+        self.resolve_served(resident, "forwarded")
+
+    def set_resident_state(
+        self, model: str, config: str, device: str, state: ResidentState
+    ) -> Resident:
+        current = self.resident(model, config, device)
+        if current is None:
+            raise NotFound(f"no resident {model}/{config} on {device}")
+        updated = replace(current, state=state)
+        self.upsert_resident(updated)
+        return updated
+
+    def drop_resident(self, model: str, config: str, device: str) -> Resident | None:
+        current = self.resident(model, config, device)
+        if current is None:
+            return None
+        self._set_residents([r for r in self.residents if r is not current])
+        self.events.on_resident_changed((model, config, device, GONE))
+        return current
+
+    def emit_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
+        """For the enforcer: one ``EnforcementStep`` signal."""
+        self.counters.step(run_id, step, ok)
+        self.events.on_enforcement_step(run_id, step, ok, detail)
+
+    def _set_residents(self, residents: list[Resident]) -> None:
+        self.residents = residents
+        self.admission.set_residents(residents)
+        self.rails.invalidate()  # a resident turned hot answers /slots now: probe again
+        self.events.on_residents(self.resident_rows())
+        self.mark_dirty()
+        self.planning.request_replan()
+
+    # ------------------------------------------------------------------ persistence
+
+    def mark_dirty(self, urgent: bool = True) -> None:
+        """Schedule a ledger write: soon when ``urgent``, within ``usage_flush_s`` otherwise."""
+        self._writer.mark_dirty(urgent)
+
+    async def flush(self) -> None:
+        """Write the ledger now (in a thread)."""
+        await self._writer.flush()
+
+    def document(
+        self, readings: Mapping[str, DeviceReading], residents: list[Resident]
+    ) -> LedgerDoc:
+        """The ledger document of this state with ``readings`` and ``residents``."""
+        return LedgerDoc(
+            updated_at=self._clock(),
+            devices=dict(readings),
+            residents=residents,
+            pending=self.pending_entries(),
+            usage=dict(self.usage),
+            cooldowns=dict(self.cooldowns),
+            alerts=self.alerts.active(),
+        )
+
+    # ------------------------------------------------------------------ background
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            self.expire()
+
+    def expire(self) -> list[PendingEntry]:
+        """Drop expired entries (``Resolved(id, "expired")``) and lapsed cooldowns."""
+        now = self._clock()
+        gone = self.admission.expire(now)
+        for entry in gone:
+            self.resolve_pending(entry, "expired", already_removed=True)
+        if len(gone) >= TRIM_AFTER_EXPIRED:  # after a flood: let RSS come back down
+            self.spawn(return_freed_memory_soon(), "return-freed-memory")
+        self.cooldowns.lapse(now)
+        return gone
+
+    async def background_done(self) -> None:
+        """Wait until the after-answer work spawned so far (and what it spawns) ended."""
+        while self._background:
+            await asyncio.gather(*self._background)
+
+    def spawn(self, work: Awaitable[None], name: str) -> None:
+        """Run ``work`` in the background; its failure is logged; shutdown cancels it."""
+        task = asyncio.ensure_future(_logged(work, name))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def _logged(work: Awaitable[None], name: str) -> None:
+    try:
+        await work
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("background work %s failed", name)

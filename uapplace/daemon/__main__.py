@@ -1,0 +1,7 @@
+"""``python -m uapplace.daemon``: the ``uapplaced`` command."""
+
+import sys
+
+from uapplace.daemon.main import main
+
+sys.exit(main())

@@ -1,0 +1,310 @@
+"""Enforcement: the spec §4.6 sequence, one run at a time, with rollback.
+
+Every ``Apply``, ``Load`` and ``Unload`` goes through one sequence of named
+steps, each reported as it ends (``EnforcementStep(run_id, step, ok, detail)``)
+and returned in the result (CONTRACT.md §4)::
+
+    revalidate → preflight → mark-draining → drain → stop → verify-free → start
+               → verify-up → refresh-proxy → resolve
+
+This module is the driver: the public verbs (:meth:`Enforcer.apply`,
+:meth:`~Enforcer.load`, :meth:`~Enforcer.unload`), the one-run lock, and the
+order of the steps. The parts live where they are explained:
+
+- :mod:`uapplace.enforce.revalidate`: **revalidate** (what the run does, or ``Drifted``);
+- :mod:`uapplace.enforce.steps`: **preflight** … **resolve** (the forward steps);
+- :mod:`uapplace.enforce.pause`: **pause** and **wake** (issue 12) and their undoing;
+- :mod:`uapplace.enforce.rollback`: the rollback, ``runningAfter``, ROLLBACK INCOMPLETE and
+  the unattended-run alerts;
+- :mod:`uapplace.enforce.run`: the run's bookkeeping, result shapes and step names;
+- :mod:`uapplace.enforce.journaling`: the journal record written before each unit change;
+- :mod:`uapplace.files.timeouts`: how long each step may wait.
+
+The outside world comes in through seams (:mod:`uapplace.io.seams`): a
+:class:`~uapplace.io.seams.UnitControl` for systemd and an
+:class:`~uapplace.io.seams.EngineProbe` for the engines' HTTP routes, besides the
+:class:`~uapplace.enforce.host.EnforcementHost` for the controller. Wiring
+(:mod:`uapplace.daemon.wiring`) passes the real ones; the unit tier passes fakes.
+
+Concurrency: one run machine-wide. A second operator call while one runs gets
+:class:`~uapplace.core.errors.Busy` at once (naming the running one), because a bus
+call blocked for minutes would outlive every client timeout; background callers
+(the auto runner) pass ``wait=True`` and queue behind it. Nothing here blocks
+the loop: systemd work goes through the unit manager (its own worker thread),
+probes run in a thread, HTTP is aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from uapplace.core.errors import Busy, InvalidArgument, NotFound
+from uapplace.core.model import DEFAULT_CELLS, PendingEntry
+from uapplace.enforce import pause as enforce_pause
+from uapplace.enforce import revalidate, rollback
+from uapplace.enforce import steps as enforce_steps
+from uapplace.enforce.host import EnforcementHost, ProxyRefresher
+from uapplace.enforce.journaling import journal_clear
+from uapplace.enforce.run import (
+    PREFLIGHT,
+    UNEXPECTED,
+    EnforcementResult,
+    ExpectedVictims,
+    Run,
+    RunContext,
+    StepFailed,
+    Target,
+    UnitFollower,
+    normalize_signature,
+    option_text,
+)
+from uapplace.files.journal import Journal
+from uapplace.files.timeouts import Timeouts
+from uapplace.io.counters import DaemonCounters, run_outcome
+from uapplace.io.seams import HTTP_ENGINES, EngineProbe, UnitControl
+from uapplace.publish.unitsync import EnforcementMarks
+
+log = logging.getLogger(__name__)
+
+
+class Enforcer:
+    """Runs the §4.6 sequence. Build once per daemon; ``units`` must be connected."""
+
+    def __init__(
+        self,
+        host: EnforcementHost,
+        units: UnitControl,
+        *,
+        timeouts: Timeouts | None = None,
+        refresher: ProxyRefresher | None = None,
+        marks: EnforcementMarks | None = None,
+        clock: Callable[[], float] = time.time,
+        journal: Journal | None = None,
+        engines: EngineProbe = HTTP_ENGINES,
+    ) -> None:
+        self.host = host
+        self.units = units
+        self.timeouts = timeouts or Timeouts()
+        self.refresher = refresher
+        self.marks = marks or EnforcementMarks()
+        self.journal = journal
+        """Where each unit-changing step is recorded first (crash recovery); ``None``: nowhere."""
+        self.ctx = RunContext(
+            host=host,
+            units=units,
+            engines=engines,
+            timeouts=self.timeouts,
+            marks=self.marks,
+            follower=UnitFollower(units, self.timeouts, engines),
+            journal=journal,
+            refresher=refresher,
+            clock=clock,
+        )
+        self._lock = asyncio.Lock()
+        self._running: str | None = None
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def running(self) -> str | None:
+        """``"<run id> (<what>)"`` while a run is in progress, else ``None``."""
+        return self._running
+
+    async def wait_idle(self) -> None:
+        async with self._lock:
+            return
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self, what: str) -> AsyncIterator[None]:
+        """Hold the one-run-at-a-time lock for work that takes units down outside a run
+        (``measure --envelope``): :class:`~uapplace.core.errors.Busy` at once when a run is in
+        progress, and no run starts until it ends."""
+        if self._lock.locked():
+            raise Busy(
+                f"an enforcement is running ({self._running}); one runs at a time "
+                "machine-wide: retry when it has finished"
+            )
+        async with self._lock:
+            self._running = what
+            try:
+                yield
+            finally:
+                self._running = None
+
+    async def apply(
+        self,
+        entry: PendingEntry | str,
+        option: int,
+        expected: ExpectedVictims | None = None,
+        *,
+        wait: bool = False,
+        origin: str | None = None,
+    ) -> dict[str, Any]:
+        """Enforce option ``option`` (1-based) of a pending entry.
+
+        ``expected`` is the approval signature (``model/config`` of every victim,
+        or objects with ``.signature``); ``None`` compares against the victims of
+        the stored option the index names, i.e. what ``ListPending`` showed.
+        Raises ``NotFound``/``InvalidArgument`` for a bad id or index, ``Drifted``
+        when revalidation refuses, ``Busy`` when another run is in progress and
+        ``wait`` is false. Returns the result JSON otherwise (``ok`` false after a
+        preflight refusal or a rollback). ``origin`` names an unattended caller
+        (``"notification"``, ``"auto"``): its failure also raises an alert.
+        """
+        found = self._entry(entry)
+        if not found.options:
+            raise InvalidArgument(f"placement {found.id} has no options; nothing can be applied")
+        if not 1 <= option <= len(found.options):
+            raise InvalidArgument(
+                f"option {option} is out of range: placement {found.id} has options "
+                f"1..{len(found.options)}"
+            )
+        approved = found.options[option - 1]
+        signature = normalize_signature(expected)
+        if signature is None:
+            signature = approved.signature
+        what = f"apply {found.id} option {option} ({option_text(approved)})"
+
+        async def target(run: Run) -> Target:
+            return await revalidate.option_target(self.host, run, found, approved, signature)
+
+        result = await self._enforce(what, target, found.id, wait, origin)
+        return result.to_json()
+
+    async def load(
+        self,
+        model: str,
+        expected: ExpectedVictims,
+        *,
+        cells: int = DEFAULT_CELLS,
+        wait: bool = False,
+    ) -> dict[str, Any]:
+        """Load ``model`` with the planner's recommended option (operator-initiated).
+
+        ``expected`` is the signature of the recommended option the operator saw
+        (``Preview``'s first option; ``[]`` when it stops nothing): the run refuses
+        with ``Drifted`` when the recommended option now stops anything else.
+        """
+        signature = normalize_signature(expected) or ()
+
+        async def target(run: Run) -> Target:
+            return await revalidate.load_target(self.host, run, model, cells, signature)
+
+        result = await self._enforce(f"load {model}", target, None, wait)
+        return result.to_json()
+
+    async def unload(
+        self, model: str, expected: ExpectedVictims, *, wait: bool = False
+    ) -> dict[str, Any]:
+        """Stop every resident serving ``model`` (drain first, rollback on failure).
+
+        ``expected`` is the signature ``PreviewUnload`` showed (the residents that
+        stop); a different set now is ``Drifted``.
+        """
+        signature = normalize_signature(expected) or ()
+
+        async def target(run: Run) -> Target:
+            return await revalidate.unload_target(self.host, run, model, signature)
+
+        result = await self._enforce(f"unload {model}", target, None, wait)
+        return result.to_json()
+
+    # ------------------------------------------------------------------ the run
+
+    def _entry(self, entry: PendingEntry | str) -> PendingEntry:
+        if isinstance(entry, PendingEntry):
+            return entry
+        found = self.host.pending(entry)
+        if found is None:
+            raise NotFound(f"no pending placement {entry} (it may have expired or been resolved)")
+        return found
+
+    async def _enforce(
+        self,
+        what: str,
+        target_of: Callable[[Run], Awaitable[Target]],
+        placement_id: str | None,
+        wait: bool,
+        origin: str | None = None,
+    ) -> EnforcementResult:
+        if self._lock.locked() and not wait:
+            raise Busy(
+                f"another enforcement is running ({self._running}); one runs at a time "
+                "machine-wide: retry when it has finished"
+            )
+        async with self._lock:
+            run = Run(run_id=f"run-{secrets.token_hex(4)}", what=what, host=self.host)
+            self._running = f"{run.run_id} ({what})"
+            outcome = "refused"  # revalidation said no (or raised): nothing ran
+            try:
+                target = await target_of(run)
+                result = await self._sequence(run, target, placement_id)
+                outcome = run_outcome(result.ok, result.rolled_back)
+                await journal_clear(self.ctx, run)
+                by = rollback.unattended(target, wait, origin)
+                rollback.alert_unattended(self.ctx, run, target, result, by)
+                return result
+            finally:
+                rollback.release_marks(self.ctx, run)
+                self._running = None
+                self._count_run(run, what.split(" ", 1)[0], outcome)
+
+    def _count_run(self, run: Run, verb: str, outcome: str) -> None:
+        """The daemon's run counters (issue 13: ``/metrics`` counts every run, whoever
+        started it). Only hosts that keep counters have ``counters``."""
+        counters = getattr(getattr(self.host, "controller", None), "counters", None)
+        if isinstance(counters, DaemonCounters):
+            counters.run_finished(run.run_id, verb, outcome)
+
+    async def _sequence(
+        self, run: Run, target: Target, placement_id: str | None
+    ) -> EnforcementResult:
+        ctx = self.ctx
+        if target.reuse is not None:
+            enforce_steps.resolve(ctx, run, target)
+            return self._succeeded(run, target, placement_id)
+        refusal = await enforce_steps.preflight(ctx, run, target)
+        if refusal is not None:
+            return EnforcementResult(
+                False,
+                run.run_id,
+                placement_id,
+                tuple(run.steps),
+                error=f"{PREFLIGHT}: {refusal}; nothing was stopped",
+                running_after=await rollback.running_after(ctx, target),
+            )
+        try:
+            enforce_steps.mark_draining(ctx, run, target)
+            await enforce_steps.drain(ctx, run, target)
+            await enforce_pause.pause(ctx, run, target)
+            await enforce_steps.stop(ctx, run, target)
+            await enforce_steps.verify_free(ctx, run, target)
+            if target.wake is not None:
+                await enforce_pause.wake(ctx, run, target, target.wake)
+            elif target.new_unit is not None:
+                await enforce_steps.start(ctx, run, target)
+                await enforce_steps.verify_up(ctx, run, target)
+        except StepFailed as failure:
+            return await rollback.failed_result(ctx, run, target, placement_id, failure)
+        except Exception as err:  # a bug or a dead probe mid-run must still roll back
+            log.exception("%s: unexpected error mid-run; rolling back", run.run_id)
+            unexpected = run.fail(UNEXPECTED, f"{type(err).__name__}: {err}")
+            return await rollback.failed_result(ctx, run, target, placement_id, unexpected)
+        await enforce_steps.refresh_proxy(ctx, run)
+        enforce_steps.resolve(ctx, run, target)
+        return self._succeeded(run, target, placement_id)
+
+    def _succeeded(self, run: Run, target: Target, placement_id: str | None) -> EnforcementResult:
+        return EnforcementResult(
+            True,
+            run.run_id,
+            placement_id,
+            tuple(run.steps),
+            running_after=rollback.published(self.ctx, target),
+        )

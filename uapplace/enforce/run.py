@@ -1,0 +1,460 @@
+"""One enforcement run's bookkeeping, the shapes of its result, and what its steps share.
+
+Owned here: the step names (the ``EnforcementStep`` signal and the result's
+``steps`` use them), :class:`StepRecord`, :class:`EnforcementResult` and
+:class:`RunningAfter` (CONTRACT.md §4); :class:`Run` (what a run touched, so the
+rollback knows what to undo), :class:`Target` (what it does, once revalidated),
+:class:`Restore` (what a rollback could not put back); the approval signature
+(:func:`normalize_signature`); and :class:`RunContext`, the collaborators every
+step receives.
+
+Why a context object and plain step functions rather than one class with
+mixins: a step needs the host, the units, the engines, the timeouts and the
+marks, and it changes only the :class:`Run` it is given. Passing both
+explicitly (``step(ctx, run, target)``) keeps each step module readable on its
+own and testable with fakes, with no hidden shared ``self``.
+
+Called by :mod:`uapplace.enforce.enforcer` (the sequence driver), the step modules
+(:mod:`uapplace.enforce.steps`, :mod:`uapplace.enforce.pause`,
+:mod:`uapplace.enforce.rollback`), :mod:`uapplace.enforce.revalidate`, and by
+:mod:`uapplace.recovery.repair` for :func:`paused_resident`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
+
+from uapplace.core.alerts import AlertKind, Severity
+from uapplace.core.errors import Drifted
+from uapplace.core.model import (
+    Config,
+    Model,
+    Option,
+    PendingEntry,
+    Registry,
+    Resident,
+    ResidentKey,
+    ResidentState,
+    iso,
+    resident_key,
+)
+from uapplace.core.victims import config_of, pause_figures
+from uapplace.enforce.host import EnforcementHost, ProxyRefresher
+from uapplace.files.journal import Journal
+from uapplace.files.timeouts import Timeouts, UpBound
+from uapplace.io.seams import EngineProbe, UnitControl
+from uapplace.io.units import UnitError, UnitState, state_text
+from uapplace.publish import verify
+from uapplace.publish.unitsync import EnforcementMarks
+
+log = logging.getLogger(__name__)
+
+REVALIDATE = "revalidate"
+PREFLIGHT = "preflight"
+MARK_DRAINING = "mark-draining"
+DRAIN = "drain"
+STOP = "stop"
+VERIFY_FREE = "verify-free"
+START = "start"
+VERIFY_UP = "verify-up"
+REFRESH_PROXY = "refresh-proxy"
+RESOLVE = "resolve"
+ROLLBACK_STOP = "rollback-stop"
+ROLLBACK_START = "rollback-start"
+ROLLBACK_VERIFY = "rollback-verify"
+ROLLBACK_CLEAR = "rollback-clear"
+PAUSE = "pause"
+"""A victim's engine put to sleep (vLLM ``POST /sleep``) instead of its unit stopped."""
+WAKE = "wake"
+"""A paused resident's engine woken (``POST /wake_up``) instead of a unit started."""
+ROLLBACK_SLEEP = "rollback-sleep"
+ROLLBACK_WAKE = "rollback-wake"
+UNEXPECTED = "unexpected-error"
+"""The step recorded when something raised mid-run outside any step's own checks."""
+ROLLBACK_STEPS = frozenset({ROLLBACK_STOP, ROLLBACK_START, ROLLBACK_SLEEP, ROLLBACK_WAKE})
+"""The undoing steps: a journal that cannot be written never holds them back
+(:func:`uapplace.enforce.journaling.journal_step`)."""
+
+ROLLED_BACK = "rolled back"
+ROLLBACK_INCOMPLETE = "ROLLBACK INCOMPLETE"
+APPLIED = "applied"
+FAILED_OUTCOME = "failed"
+"""``Resolved`` outcome of the pending entry of a run whose rollback was incomplete."""
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    name: str
+    ok: bool
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class EnforcementResult:
+    """CONTRACT.md §4: ``{ok, placementId, steps, rolledBack?, error?}`` (+ ``runId``)."""
+
+    ok: bool
+    run_id: str
+    placement_id: str | None
+    steps: tuple[StepRecord, ...]
+    rolled_back: bool | None = None
+    """``None``: no rollback was needed; ``False``: it was incomplete."""
+    error: str | None = None
+    running_after: tuple[RunningAfter, ...] | None = None
+    """What runs on the run's device(s) when it ended (``runningAfter``); ``None`` for a
+    run refused before anything was looked at."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "ok": self.ok,
+            "placementId": self.placement_id,
+            "runId": self.run_id,
+            "steps": [s.to_json() for s in self.steps],
+        }
+        if self.rolled_back is not None:
+            out["rolledBack"] = self.rolled_back
+        if self.error is not None:
+            out["error"] = self.error
+        if self.running_after is not None:
+            out["runningAfter"] = [r.to_json() for r in self.running_after]
+        return out
+
+
+@dataclass(frozen=True)
+class RunningAfter:
+    """One backend running on a run's device at its end, as systemd reports its unit."""
+
+    model: str
+    config: str
+    device: str
+    unit: str | None
+    state: str
+    """``active/running`` …, or ``published`` for a resident without a readable unit."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "config": self.config,
+            "device": self.device,
+            "unit": self.unit,
+            "state": self.state,
+        }
+
+    def text(self) -> str:
+        unit = f", {self.unit} {self.state}" if self.unit else ""
+        return f"{self.model}/{self.config} on {self.device}{unit}"
+
+
+# --------------------------------------------------------------------------- a run
+
+
+class StepFailed(Exception):
+    """A step said no (already recorded): the driver rolls back."""
+
+    def __init__(self, step: str, detail: str) -> None:
+        super().__init__(f"{step}: {detail}")
+        self.step = step
+        self.detail = detail
+
+
+@dataclass
+class Run:
+    """One enforcement's bookkeeping: what it touched, so rollback knows what to undo."""
+
+    run_id: str
+    what: str
+    host: EnforcementHost
+    steps: list[StepRecord] = field(default_factory=list)
+    victims: tuple[Resident, ...] = ()
+    stopped_units: list[str] = field(default_factory=list)
+    """Victim units whose stop was attempted (the rollback restarts these)."""
+    started_unit: str | None = None
+    """The unit whose start was attempted (the rollback stops it first)."""
+    victim_pids: frozenset[int] = frozenset()
+    paused: list[Resident] = field(default_factory=list)
+    """Victims whose sleep was attempted (the rollback wakes these)."""
+    woke: bool = False
+    """Whether this run asked the paused resident it wakes to wake (the rollback puts it
+    back to sleep first)."""
+    started_at: float = field(default_factory=time.time)
+    verify_up_bound: UpBound | None = None
+    """The verify-up wait this run used for its new unit, and why that long."""
+
+    def record(self, step: str, ok: bool, detail: str) -> None:
+        self.steps.append(StepRecord(step, ok, detail))
+        log.info("enforcement %s %s %s: %s", self.run_id, step, "ok" if ok else "FAILED", detail)
+        try:
+            self.host.emit_step(self.run_id, step, ok, detail)
+        except Exception:  # a signal that cannot be sent must not derail the sequence
+            log.exception("could not emit EnforcementStep %s/%s", self.run_id, step)
+
+    def fail(self, step: str, detail: str) -> StepFailed:
+        self.record(step, False, detail)
+        return StepFailed(step, detail)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one run does, once revalidated."""
+
+    kind: Literal["apply", "load", "unload"]
+    requested: str
+    model: Model
+    config: Config | None
+    """``None`` for an unload: nothing starts."""
+    device: str
+    cost_mib: float
+    victims: tuple[Resident, ...]
+    new_unit: str | None
+    reuse: Resident | None = None
+    entry: PendingEntry | None = None
+    pause: frozenset[ResidentKey] = frozenset()
+    """The victims this run pauses (engine sleep) rather than stops (issue 12)."""
+    wake: Resident | None = None
+    """The paused resident this run wakes instead of starting a unit (a ``wake`` option)."""
+
+    @property
+    def stopping(self) -> tuple[Resident, ...]:
+        return tuple(v for v in self.victims if resident_key(v) not in self.pause)
+
+    @property
+    def pausing(self) -> tuple[Resident, ...]:
+        return tuple(v for v in self.victims if resident_key(v) in self.pause)
+
+    @property
+    def new_key(self) -> ResidentKey | None:
+        if self.config is None:
+            return None
+        return (self.model.key, self.config.key, self.device)
+
+    @property
+    def label(self) -> str:
+        """``model/config`` of what starts (or wakes); the model alone for an unload."""
+        if self.config is None:
+            return self.model.key
+        return f"{self.model.key}/{self.config.key}"
+
+    @property
+    def devices(self) -> list[str]:
+        """Every device the run touches, sorted (``runningAfter`` lists these)."""
+        return sorted({self.device, *(v.device for v in self.victims)})
+
+
+@dataclass
+class Restore:
+    """What a rollback could not put back."""
+
+    restored: set[str] = field(default_factory=set)
+    """Victim units running and verified again."""
+    unrestored: dict[str, str] = field(default_factory=dict)
+    """Victim unit → why it is not running verified."""
+    problems: list[str] = field(default_factory=list)
+    """Every observed problem, in order (the ``ROLLBACK INCOMPLETE: …`` text)."""
+    blocker: str = ""
+    """Why the victims were not restarted at all (the new unit seen still up)."""
+
+    @property
+    def complete(self) -> bool:
+        return not self.problems
+
+    def fail(self, unit: str, why: str) -> None:
+        self.unrestored[unit] = why
+        self.problems.append(why)
+
+
+# --------------------------------------------------------------------------- collaborators
+
+
+class UnitFollower:
+    """The units as a run sees them: the last state the manager signalled for each, an
+    event per unit a wait follows, and fresh reads that refresh both."""
+
+    def __init__(self, units: UnitControl, timeouts: Timeouts, engines: EngineProbe) -> None:
+        self.units = units
+        self.timeouts = timeouts
+        self.engines = engines
+        self._states: dict[str, UnitState] = {}
+        self._events: dict[str, asyncio.Event] = {}
+        units.on_change(self._on_change)
+
+    def _on_change(self, unit: str, state: UnitState) -> None:
+        self._states[unit] = state
+        event = self._events.get(unit)
+        if event is not None:
+            event.set()
+
+    def cached(self, unit: str) -> UnitState | None:
+        return self._states.get(unit)
+
+    def remember(self, unit: str, state: UnitState) -> None:
+        self._states[unit] = state
+
+    def watch(self, unit: str) -> asyncio.Event:
+        """The event set on each change of ``unit`` (created on first use)."""
+        return self._events.setdefault(unit, asyncio.Event())
+
+    async def fresh(self, unit: str) -> UnitState | None:
+        """Read ``unit`` from the manager now; ``None`` (logged) when it cannot be read."""
+        try:
+            state = await self.units.state(unit)
+        except UnitError as err:
+            log.warning("cannot read the state of %s: %s", unit, err)
+            return None
+        self._states[unit] = state
+        return state
+
+    async def state_text(self, unit: str) -> str:
+        state = await self.fresh(unit)
+        return state_text(state) if state is not None else "state unknown"
+
+    async def pids_of(self, units: Iterable[str]) -> set[int]:
+        pids: set[int] = set()
+        for unit in units:
+            try:
+                pids.update(await self.units.pids(unit))
+            except UnitError as err:
+                log.warning("cannot list the processes of %s: %s", unit, err)
+        return pids
+
+    def up_watch(self, unit: str) -> verify.UnitWatch:
+        """How :func:`uapplace.publish.verify.wait_up` follows ``unit`` for a run."""
+        return verify.UnitWatch(
+            changed=self.watch(unit),
+            fresh_state=lambda: self.fresh(unit),
+            cached_state=lambda: self.cached(unit),
+            first_poll_s=self.timeouts.health_first_poll_s,
+            max_poll_s=self.timeouts.health_max_poll_s,
+            http_s=self.timeouts.http_s,
+            probe=self.engines,
+        )
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """The collaborators every step of every run uses (built once by the Enforcer)."""
+
+    host: EnforcementHost
+    units: UnitControl
+    engines: EngineProbe
+    timeouts: Timeouts
+    marks: EnforcementMarks
+    follower: UnitFollower
+    journal: Journal | None
+    """Where each unit-changing step is recorded first (crash recovery); ``None``: nowhere."""
+    refresher: ProxyRefresher | None
+    clock: Callable[[], float]
+
+    def victim_config(self, victim: Resident) -> tuple[str, Config | None]:
+        """``(model/config, its registry config)`` for the envelope-derived bounds."""
+        model = self.host.registry().models.get(victim.model)
+        return victim.signature, model.configs.get(victim.config) if model else None
+
+    def new_resident(self, target: Target, config: Config) -> Resident:
+        """The resident a run that starts ``config`` publishes once it is verified."""
+        unit_state = self.follower.cached(target.new_unit or "")
+        return Resident(
+            model=target.model.key,
+            config=config.key,
+            device=target.device,
+            engine=target.model.engine,
+            endpoint=target.model.endpoint_for(config),
+            unit=target.new_unit,
+            state=ResidentState.HOT,
+            gpu_mib=config.resident_gpu_mib,
+            host_rss_mib=config.host_rss_mib,
+            since=iso(self.clock()),
+            main_pid=(unit_state.main_pid or None) if unit_state is not None else None,
+        )
+
+    def raise_safely(
+        self,
+        kind: AlertKind,
+        severity: Severity,
+        subject: str,
+        message: str,
+        detail: Mapping[str, Any],
+    ) -> None:
+        """``host.alert_board.raise_alert``, never raising: the run's result still reports it."""
+        try:
+            self.host.alert_board.raise_alert(kind, severity, subject, message, detail)
+        except Exception:  # never lose the run for an alert
+            log.exception("could not raise the %s alert for %s: %s", kind.value, subject, message)
+
+
+def paused_resident(registry: Registry, victim: Resident) -> Resident:
+    """``victim`` as the ledger holds it once paused: state ``paused``, the GPU MiB the
+    sleeping engine keeps, host RSS grown by what a level-1 sleep offloads
+    (:func:`uapplace.core.victims.pause_figures`). The start-up repair uses it too."""
+    config = config_of(registry, victim)
+    level = config.sleep_level if config is not None else None
+    freed, grows = pause_figures(config, victim, level or 2)
+    host = victim.host_rss_mib + grows if victim.host_rss_mib is not None else None
+    return replace(
+        victim,
+        state=ResidentState.PAUSED,
+        gpu_mib=max(0.0, (victim.gpu_mib or 0.0) - freed),
+        host_rss_mib=host,
+        holders=(),
+    )
+
+
+# --------------------------------------------------------------------------- the approval
+
+
+class _SignatureRef(Protocol):
+    @property
+    def signature(self) -> str: ...
+
+
+ExpectedVictims = Sequence[str] | Sequence[_SignatureRef]
+
+
+def normalize_signature(expected: ExpectedVictims | None) -> tuple[str, ...] | None:
+    """``["m/c", …]`` or objects with ``.signature`` → a sorted tuple; ``None`` stays.
+
+    The signature is one type everywhere (bus ``as expected``, shim
+    ``expected_victims``, notification buttons, auto and idle runs): the sorted
+    ``model/config`` strings ``ListPending``/``Preview``/``PreviewUnload`` show.
+    An empty one means "I approve stopping nothing": it is checked like any other.
+    """
+    if expected is None:
+        return None
+    out = [item if isinstance(item, str) else item.signature for item in expected]
+    return tuple(sorted(out))
+
+
+def signature_drift(approved: tuple[str, ...], now: Iterable[str]) -> Drifted | None:
+    """``Drifted`` naming both lists when what would stop now is not what was approved."""
+    current = tuple(sorted(now))
+    if current == approved:
+        return None
+    return Drifted(
+        f"victim set changed: approved [{', '.join(approved) or 'none'}], "
+        f"now [{', '.join(current) or 'none'}]; look at the preview again"
+    )
+
+
+def same_placement(a: Option, b: Option) -> bool:
+    return (a.kind, a.model, a.config, a.device) == (b.kind, b.model, b.config, b.device)
+
+
+def option_text(option: Option) -> str:
+    text = f"{option.kind.value} {option.model}/{option.config} on {option.device}"
+    stopped = [f"{v.model}/{v.config}" for v in option.victims if v.action == "stop"]
+    paused = [f"{v.model}/{v.config}" for v in option.victims if v.action == "pause"]
+    if stopped:
+        text += f", stopping {', '.join(stopped)}"
+    if paused:
+        text += f", pausing {', '.join(paused)}"
+    return text

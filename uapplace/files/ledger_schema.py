@@ -1,0 +1,230 @@
+"""The ledger file's schema (spec §4.2) and its translation to the inside types.
+
+Pydantic models for ``placement.json`` and each of its items (devices, residents,
+pending entries with their options and victims, alerts), strict about what a file
+may hold (unknown fields, ``NaN``, times that are not ISO-8601 UTC), and the
+functions that turn a validated item into the frozen dataclasses of
+:mod:`uapplace.core.model` and :mod:`uapplace.core.alerts`. Used by :mod:`uapplace.files.ledger`
+(which reads, drops bad items alone and writes); nothing here touches a file.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+from uapplace.core.alerts import Alert, AlertKind, Severity
+from uapplace.core.model import (
+    DEFAULT_CELLS,
+    DeviceKind,
+    DeviceReading,
+    Holder,
+    Option,
+    OptionKind,
+    ParkReason,
+    PendingEntry,
+    ProbeSource,
+    ProcessUsage,
+    Resident,
+    ResidentState,
+    Victim,
+)
+
+
+def _iso_seconds(value: Any) -> float:
+    if not isinstance(value, str):
+        raise ValueError("expected an ISO-8601 UTC time such as 2026-10-08T14:02:11Z")
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"not an ISO-8601 time: {value!r}") from None
+    if moment.tzinfo is None:
+        raise ValueError(f"time without a zone (end it with Z): {value!r}")
+    return moment.timestamp()
+
+
+def _iso_text(value: str) -> str:
+    _iso_seconds(value)
+    return value
+
+
+IsoSeconds = Annotated[float, BeforeValidator(_iso_seconds)]
+IsoText = Annotated[str, AfterValidator(_iso_text)]
+
+
+class StrictJson(BaseModel):
+    # NaN / ±inf are refused: one NaN gpu_mib made every preview and park fail.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+
+
+class ProcessJson(StrictJson):
+    pid: int
+    used_mib: float
+    command: str = ""
+
+
+class DeviceJson(StrictJson):
+    kind: DeviceKind
+    total_mib: float
+    free_mib: float
+    source: ProbeSource
+    processes: list[ProcessJson] = []
+    uuid: str | None = None
+    error: str | None = None
+    # The spec's example carries the registry's reserve next to the reading;
+    # accepted, not kept (the registry is where it lives).
+    reserved_mib: float | None = None
+    headroom_mib: float | None = None
+
+
+class HolderJson(StrictJson):
+    client: str
+    kind: Literal["inflight", "hold"]
+    detail: str = ""
+    started_at: str | None = None
+    cookie: int | None = None
+
+
+class ResidentJson(StrictJson):
+    model: str
+    config: str
+    device: str
+    engine: str
+    endpoint: str | None
+    unit: str | None
+    state: ResidentState
+    gpu_mib: float | None
+    host_rss_mib: float | None
+    since: IsoText
+    holders: list[HolderJson] = []
+    main_pid: int | None = None
+
+
+class VictimJson(StrictJson):
+    model: str
+    config: str
+    state: ResidentState
+    device: str
+    holders: list[HolderJson] = []
+    in_flight: bool | None
+    frees_mib: float
+    consequence: str
+    reload_mib: float | None = None
+    # Issue 12: the action on this victim and what it costs (model.Victim).
+    action: Literal["stop", "pause"] = "stop"
+    serve_again_s: float | None = None
+    residual_mib: float = 0.0
+    host_grows_mib: float = 0.0
+    alternative: str = ""
+
+
+class OptionJson(StrictJson):
+    kind: OptionKind
+    model: str
+    config: str
+    device: str
+    cost_mib: float
+    victims: list[VictimJson] = []
+    affinity_match: bool = Field(default=False, alias="affinityMatch")
+    # Derived from the victims by Option; accepted on input, recomputed on output.
+    signature: list[str] | None = None
+    frees_mib: float | None = None
+    expected_s: float | None = None
+
+
+class PendingJson(StrictJson):
+    id: str
+    requested_model: str
+    client: str
+    session: str | None = None
+    pid: int | None = None
+    created_at: IsoSeconds
+    expires_at: IsoSeconds
+    reason: ParkReason
+    cells: int = Field(default=DEFAULT_CELLS, gt=0)
+    options: list[OptionJson] = []
+    # ListPending's 1-based pointer into options; derived, so not kept.
+    recommended: int | None = None
+
+
+class AlertJson(StrictJson):
+    id: str
+    kind: AlertKind
+    severity: Severity
+    subject: str
+    message: str
+    raised_at: IsoSeconds
+    updated_at: IsoSeconds
+    count: int = Field(default=1, ge=1)
+    detail: dict[str, Any] = {}
+
+
+class LedgerJson(StrictJson):
+    version: Literal[1]
+    updated_at: IsoSeconds
+    devices: dict[str, DeviceJson] = {}
+    residents: list[ResidentJson] = []
+    pending: list[PendingJson] = []
+    usage: dict[str, IsoSeconds] = {}
+    cooldowns: dict[str, IsoSeconds] = {}
+    alerts: list[AlertJson] = []
+
+
+class LedgerHeadJson(StrictJson):
+    """What a file must get right as a whole; everything else is checked item by item."""
+
+    version: Literal[1]
+    updated_at: IsoSeconds
+
+
+# --------------------------------------------------------------------------- to the inside types
+
+
+def fields_of(data: BaseModel, *, leave_out: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``data``'s validated fields by name, as they are (nested models not dumped).
+
+    The file models (here and in :mod:`uapplace.files.journal`) name their fields as the
+    dataclasses of :mod:`uapplace.core.model` do, so each converter passes these on and
+    converts only the nested items; fields the file may carry but the inside type
+    derives or drops (``leave_out``) are left out."""
+    return {name: getattr(data, name) for name in type(data).model_fields if name not in leave_out}
+
+
+def holder_from(data: HolderJson) -> Holder:
+    return Holder(**fields_of(data))
+
+
+def reading_from(key: str, data: DeviceJson) -> DeviceReading:
+    """The reading under ``key``; the registry's ``reserved_mib``/``headroom_mib`` the spec's
+    example shows beside it are not kept (the registry is where they live)."""
+    fields = fields_of(data, leave_out=frozenset({"reserved_mib", "headroom_mib", "processes"}))
+    processes = tuple(ProcessUsage(**fields_of(p)) for p in data.processes)
+    return DeviceReading(key=key, processes=processes, **fields)
+
+
+def resident_from(data: ResidentJson) -> Resident:
+    holders = tuple(holder_from(h) for h in data.holders)
+    return Resident(**{**fields_of(data), "holders": holders})
+
+
+def victim_from(data: VictimJson) -> Victim:
+    holders = tuple(holder_from(h) for h in data.holders)
+    return Victim(**{**fields_of(data), "holders": holders})
+
+
+def option_from(data: OptionJson) -> Option:
+    """``signature`` and ``frees_mib`` are derived from the victims: recomputed, not read."""
+    fields = fields_of(data, leave_out=frozenset({"signature", "frees_mib", "victims"}))
+    return Option(victims=tuple(victim_from(v) for v in data.victims), **fields)
+
+
+def pending_from(data: PendingJson) -> PendingEntry:
+    """``recommended`` (ListPending's pointer into the options) is derived: not kept."""
+    fields = fields_of(data, leave_out=frozenset({"recommended", "options"}))
+    return PendingEntry(options=tuple(option_from(o) for o in data.options), **fields)
+
+
+def alert_from(data: AlertJson) -> Alert:
+    return Alert(**{**fields_of(data), "detail": dict(data.detail)})

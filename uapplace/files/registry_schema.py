@@ -1,0 +1,292 @@
+"""The registry files' schema (spec §4.1): what a repo or machine-local registry may say.
+
+Pydantic models for both files (``RegistryDoc``, ``LocalRegistryDoc`` and their
+parts), the field types they share with the capacity policy (``UnitName``,
+``Endpoint`` …), and the translation of pydantic's errors into
+:class:`~uapplace.files.jsonfile.ConfigFileError` (file, JSON path, message). Used by
+:mod:`uapplace.files.registry` (load and merge), :mod:`uapplace.files.registry_write` (local
+measurements) and :mod:`uapplace.files.capacity`. Nothing here reads or writes a file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+)
+
+from uapplace.core.model import PauseLever, parse_iso
+from uapplace.core.unitnames import UNIT_NAME_RE, valid_unit_name
+from uapplace.files.jsonfile import ConfigFileError
+
+DEVICE_KEY_RE = r"^[A-Za-z0-9_.-]+$"
+"""Device keys become the ``<device>:`` half of a proxy ``target_id`` (CONTRACT.md §1)."""
+_CONFIG_TAGS = ("measured", "unmeasured")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def combined(errors: list[ConfigFileError]) -> ConfigFileError:
+    """The first error, carrying the rest in :attr:`ConfigFileError.others`."""
+    first, *rest = errors
+    return ConfigFileError(first.file, first.json_path, first.message, tuple(rest))
+
+
+def raise_all(errors: list[ConfigFileError]) -> None:
+    """Raise :func:`combined` of ``errors``, if there are any."""
+    if errors:
+        raise combined(errors)
+
+
+def json_path(loc: Iterable[str | int]) -> str:
+    """``("models", "m", "configs", 0)`` → ``$.models.m.configs[0]``."""
+    out = "$"
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _clean_loc(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+    """Drop the discriminator tag pydantic puts after a config key, and its ``[key]`` marker."""
+    parts = list(loc)
+    is_config = len(parts) > 4 and parts[0] == "models" and parts[2] == "configs"
+    if is_config and parts[4] in _CONFIG_TAGS:
+        del parts[4]
+    return tuple(p for p in parts if p != "[key]")
+
+
+def validation_errors(
+    exc: ValidationError, file: Path, prefix: tuple[str | int, ...] = ()
+) -> list[ConfigFileError]:
+    """One :class:`ConfigFileError` per pydantic error, each naming its JSON path.
+
+    ``prefix`` roots the paths when the validated object sits inside a larger file.
+    """
+    out: list[ConfigFileError] = []
+    for err in exc.errors(include_url=False):
+        loc = (*prefix, *err["loc"])
+        message = str(err["msg"])
+        if "[key]" in loc:
+            message = f"bad key: {message}"
+        out.append(ConfigFileError(file, json_path(_clean_loc(loc)), message))
+    return out
+
+
+def _check_unit(name: str) -> str:
+    if not valid_unit_name(name):
+        raise ValueError(
+            f"invalid unit name {name!r}: must match {UNIT_NAME_RE.pattern}, "
+            "contain no '..' and no '/'"
+        )
+    return name
+
+
+def _check_endpoint(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if scheme not in ("http", "https") or not sep or not rest or any(c.isspace() for c in url):
+        raise ValueError(f"endpoint {url!r} must be an http:// or https:// URL with no spaces")
+    return url
+
+
+def _check_iso(text: str) -> str:
+    try:
+        parse_iso(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an ISO-8601 time such as 2026-10-08T14:02:00Z") from None
+    return text
+
+
+UnitName = Annotated[str, AfterValidator(_check_unit)]
+Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
+IsoTime = Annotated[str, AfterValidator(_check_iso)]
+DeviceKey = Annotated[str, Field(pattern=DEVICE_KEY_RE)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+Mib = Annotated[float, Field(ge=0)]
+Cells = Annotated[int, Field(ge=1)]
+Seconds = Annotated[float, Field(gt=0)]
+
+
+# --------------------------------------------------------------------------- file schema
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class DeviceOverlayDoc(_Doc):
+    """A device in the local file: any subset of fields, each overriding the repo's.
+
+    The fields of :class:`DeviceDoc`, in the same order, none required."""
+
+    kind: Literal["gpu", "cpu"] | None = None
+    total_mib: Annotated[int, Field(ge=1)] | None = None
+    reserved_mib: Annotated[int, Field(ge=0)] | None = None
+    name: str | None = None
+    reserve_reason: str | None = None
+    uuid: NonEmpty | None = None
+
+
+class DeviceDoc(DeviceOverlayDoc):
+    """A device in the repo file (and a merged one): ``kind`` and the sizes required."""
+
+    kind: Literal["gpu", "cpu"]
+    total_mib: Annotated[int, Field(ge=1)]
+    reserved_mib: Annotated[int, Field(ge=0)]
+    name: str = ""
+    reserve_reason: str = ""
+
+
+class MeasuredDeviceDoc(_Doc):
+    """The device a measurement was taken on, as ``measure`` read it from the probe."""
+
+    name: NonEmpty | None = None
+    uuid: NonEmpty | None = None
+    total_mib: Annotated[int, Field(ge=1)] | None = None
+
+
+class EnvelopeDoc(_Doc):
+    """A config's measured enforcement envelope (``uapplace measure --envelope``; seconds)."""
+
+    stop_s: Annotated[float, Field(ge=0)]
+    free_s: Annotated[float, Field(ge=0)]
+    cold_start_s: Annotated[float, Field(ge=0)]
+    warm_start_s: Annotated[float, Field(ge=0)]
+    sleep_s: Annotated[float, Field(ge=0)] | None = None
+    sleep_freed_mib: Mib | None = None
+    wake_s: Annotated[float, Field(ge=0)] | None = None
+    measured_at: IsoTime
+    measured_on: NonEmpty
+
+
+class MeasuredConfigDoc(_Doc):
+    status: Literal["measured"] = "measured"
+    resident_gpu_mib: Mib
+    host_rss_mib: Mib
+    context_pool_cells: Cells | None = None
+    per_session_cap_cells: Cells | None = None
+    kv_resident_cells: Annotated[int, Field(ge=0)] | None = None
+    kv_mib_per_1k_cells: Mib | None = None
+    kv: NonEmpty | None = None
+    measured_at: IsoTime | None = None
+    measured_on: NonEmpty | None = None
+    measured_device: MeasuredDeviceDoc | None = None
+    engine_build: NonEmpty | None = None
+    flags: list[str] = []
+    unit: UnitName | None = None
+    endpoint: Endpoint | None = None
+    # Diagnostics `measure` records alongside the footprint (spec §4.1.1); never in the cost.
+    expert_cache_mib: Mib | None = None
+    arena_mib: Mib | None = None
+    host_free_mib: Mib | None = None
+    # Start facts for enforcement's verify-up bound (timeouts.Timeouts.verify_up_bound).
+    start_s: Seconds | None = None
+    start_timeout_s: Seconds | None = None
+    # The engine's in-process pause lever (model.PauseLever; issue 12), declared, not measured.
+    pause_lever: PauseLever | None = None
+    # The measured enforcement envelope (machine-local; measure.py, timeouts.Timeouts).
+    envelope: EnvelopeDoc | None = None
+
+
+class UnmeasuredConfigDoc(_Doc):
+    status: Literal["unmeasured"]
+    unit: UnitName | None = None
+    endpoint: Endpoint | None = None
+    start_timeout_s: Seconds | None = None
+    pause_lever: PauseLever | None = None
+
+
+def config_tag(raw: Any) -> str:
+    if isinstance(raw, dict) and raw.get("status") == "unmeasured":
+        return "unmeasured"
+    return "measured"
+
+
+ConfigDoc = Annotated[
+    Annotated[MeasuredConfigDoc, Tag("measured")]
+    | Annotated[UnmeasuredConfigDoc, Tag("unmeasured")],
+    Discriminator(config_tag),
+]
+
+
+class AffinityDoc(_Doc):
+    device: list[NonEmpty] = []
+
+
+class ModelOverlayDoc(_Doc):
+    """A model in the local file: fields override the repo's; configs replace per key.
+
+    The fields of :class:`ModelDoc`, in the same order (field provenance is listed in
+    it), none required."""
+
+    display: NonEmpty | None = None
+    engine: NonEmpty | None = None
+    configs: dict[NonEmpty, ConfigDoc] = {}
+    unit: UnitName | None = None
+    launch: str | None = None
+    profile: str | None = None
+    endpoint: Endpoint | None = None
+    service: NonEmpty | None = None
+    rails: Annotated[int, Field(ge=1)] | None = None
+    rails_source: str | None = None
+    task_affinity: list[NonEmpty] | None = None
+    affinity: AffinityDoc | None = None
+    advertises: list[NonEmpty] | None = None
+    engine_build: NonEmpty | None = None
+
+
+class ModelDoc(ModelOverlayDoc):
+    """A model in the repo file (and a merged one): ``display``, ``engine`` and at least
+    one config required."""
+
+    display: NonEmpty
+    engine: NonEmpty
+    configs: Annotated[dict[NonEmpty, ConfigDoc], Field(min_length=1)]
+    task_affinity: list[NonEmpty] = []
+    advertises: list[NonEmpty] = []
+
+
+class ProxyDoc(_Doc):
+    """How the proxy in front reaches the engines (:mod:`uapplace.core.topology`)."""
+
+    single_upstream: Endpoint | None = None
+    """Every request goes to this one address (the stock UAP proxy's ``LLAMA_CPP_BASE``);
+    absent or null: the proxy routes by ``target_id``."""
+
+
+class RegistryDoc(_Doc):
+    version: Literal[1]
+    devices: dict[DeviceKey, DeviceDoc] = {}
+    models: dict[NonEmpty, ModelDoc] = {}
+    proxy: ProxyDoc | None = None
+
+
+class LocalRegistryDoc(_Doc):
+    version: Literal[1] = 1
+    devices: dict[DeviceKey, DeviceOverlayDoc] = {}
+    models: dict[NonEmpty, ModelOverlayDoc] = {}
+    proxy: ProxyDoc | None = None
+    """Overrides the repo's ``proxy.single_upstream`` when it names the key (null: off)."""
+
+
+DocT = TypeVar("DocT", bound=BaseModel)
+
+
+def parse_doc(
+    doc_type: type[DocT], raw: Any, file: Path, prefix: tuple[str | int, ...] = ()
+) -> DocT:
+    """Validate ``raw``; every problem becomes a :class:`ConfigFileError` at ``prefix + loc``."""
+    try:
+        return doc_type.model_validate(raw)
+    except ValidationError as exc:
+        raise_all(validation_errors(exc, file, prefix))
+        raise  # unreachable: a ValidationError always carries at least one error

@@ -1,0 +1,9 @@
+"""The machine: systemd units, devices, engines.
+
+Owns pystemd unit control (``units``), device probes: NVML, the simulated GPU, the
+host (``devices``), engine and proxy HTTP probes (``engines``), per-target rails
+(``rails``), the daemon's counters (``counters``) and the Protocols enforcement and
+recovery see these through (``seams``: fakes stand in for them in the unit tier).
+
+May import: ``core``, ``files``, ``bus``, ``sim`` (the simulated GPU state file).
+"""

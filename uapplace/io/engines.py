@@ -1,0 +1,424 @@
+"""HTTP probes of engines (llama.cpp-like servers) and of the proxy's internal routes.
+
+``endpoint`` is the engine's base URL (``http://127.0.0.1:8080``); a trailing
+``/`` or ``/v1`` is dropped, since ``/health``, ``/slots`` and ``/metrics`` live
+at the root. Every probe has a short timeout (2 s unless given).
+
+:func:`metrics` parses the Prometheus text format into a flat dict:
+
+- each sample under its series name: ``llamacpp:max_context`` → ``131072.0``,
+  ``llamacpp:engine_info{kv="int8"}`` → ``1.0`` (labels as ``name="value"``,
+  comma-separated, in the order served);
+- a namespaced name also under its bare name, unless a sample already has it:
+  ``max_context`` → ``131072.0``;
+- every label of an ``*_info`` metric as a string: ``kv`` → ``"int8"``.
+
+So ``metricsMustMatch`` (``{"kv": "int8", "max_context": 131072}``) is checked
+with plain lookups. :mod:`uapplace.sim.engine` serves exactly these names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from typing import Any
+
+import aiohttp
+from pydantic import BaseModel, ValidationError
+
+from uapplace.core.validation import first_error_text
+
+PROBE_TIMEOUT_S = 2.0
+PROXY_TIMEOUT_S = 2.0
+INFLIGHT_PATH = "/internal/placement/inflight"
+REFRESH_PATH = "/internal/placement/refresh"
+
+
+class EngineError(Exception):
+    """An engine did not answer a probe usably; the message names the URL and why."""
+
+
+def engine_root(endpoint: str) -> str:
+    """``http://h:8080/v1/`` → ``http://h:8080``: where ``/health`` and ``/metrics`` live."""
+    url = endpoint.rstrip("/")
+    return url.removesuffix("/v1")
+
+
+async def _request(
+    method: str, url: str, timeout_s: float, headers: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """One HTTP request in a session of its own: the status and the body as text."""
+    client_timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with (
+        aiohttp.ClientSession(timeout=client_timeout) as session,
+        session.request(method, url, headers=headers) as response,
+    ):
+        return response.status, await response.text()
+
+
+async def _answer(method: str, url: str, timeout_s: float) -> tuple[int, str]:
+    """:func:`_request`; no answer at all (refused, reset, timed out) is an :class:`EngineError`."""
+    try:
+        return await _request(method, url, timeout_s)
+    except (aiohttp.ClientError, TimeoutError) as err:
+        raise EngineError(f"{method} {url}: {_describe(err)}") from None
+
+
+def _not_ok(method: str, url: str, status: int, text: str) -> EngineError:
+    return EngineError(f"{method} {url}: HTTP {status}: {text[:200]}")
+
+
+async def _get_ok(url: str, timeout_s: float) -> str:
+    """The body of a ``GET`` that answered 200; :class:`EngineError` otherwise."""
+    status, text = await _answer("GET", url, timeout_s)
+    if status != 200:
+        raise _not_ok("GET", url, status, text)
+    return text
+
+
+async def _get_json(url: str, timeout_s: float) -> Any:
+    text = await _get_ok(url, timeout_s)
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise EngineError(f"GET {url}: body is not JSON: {err}") from None
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, TimeoutError):
+        return "timed out"
+    return str(err) or type(err).__name__
+
+
+# --------------------------------------------------------------------------- engine probes
+
+
+async def health(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """``GET /health`` answered 200. Loading (503), errors and timeouts are ``False``."""
+    try:
+        status, _ = await _request("GET", f"{engine_root(endpoint)}/health", timeout_s)
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+    return status == 200
+
+
+class _Model(BaseModel):
+    id: str
+
+
+class _ModelList(BaseModel):
+    data: list[_Model]
+
+
+async def served_ids(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
+    """The ids of ``GET /v1/models``, in the order served. Raises :class:`EngineError`."""
+    url = f"{engine_root(endpoint)}/v1/models"
+    body = await _get_json(url, timeout_s)
+    try:
+        return [model.id for model in _ModelList.model_validate(body).data]
+    except ValidationError as err:
+        raise EngineError(
+            f"GET {url}: not an OpenAI model list: {first_error_text(err, '(body)')}"
+        ) from None
+
+
+async def slots(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[dict[str, Any]] | None:
+    """``GET /slots`` as served, or ``None`` when the engine cannot tell (no such
+    route, loading, error, not a list of objects): unknown, never a guess."""
+    try:
+        body = await _get_json(f"{engine_root(endpoint)}/slots", timeout_s)
+    except EngineError:
+        return None
+    if not isinstance(body, list) or not all(isinstance(slot, dict) for slot in body):
+        return None
+    return body
+
+
+async def metrics(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, float | str]:
+    """``GET /metrics`` parsed (see the module doc). Raises :class:`EngineError`."""
+    url = f"{engine_root(endpoint)}/metrics"
+    text = await _get_ok(url, timeout_s)
+    try:
+        return parse_prometheus(text)
+    except ValueError as err:
+        raise EngineError(f"GET {url}: {err}") from None
+
+
+async def wait_healthy(
+    endpoint: str, deadline: float, first_interval: float = 0.05, max_interval: float = 1.0
+) -> bool:
+    """Poll ``/health`` until 200 (``True``) or ``time.monotonic()`` passes ``deadline``
+    (``False``). The first retry comes after ``first_interval``; the pause doubles
+    up to ``max_interval``, never past the deadline."""
+    interval = first_interval
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        if await health(endpoint, timeout_s=min(PROBE_TIMEOUT_S, remaining)):
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        await asyncio.sleep(min(interval, remaining))
+        interval = min(interval * 2, max_interval)
+
+
+# --------------------------------------------------------------------------- sleep mode
+
+SLEEP_TIMEOUT_S = 60.0
+"""Default bound of one sleep or wake call: level 1 copies the weights to host RAM and
+waking copies them back, seconds for a large model (callers pass the envelope's bound)."""
+SLEEP_LEVELS = (1, 2)
+# The three calls below take ``timeout`` (not ``timeout_s`` like the probes above): the
+# name agreed with the pause path that calls them (issue 12).
+
+
+async def _post_ok(url: str, timeout_s: float) -> None:
+    status, text = await _answer("POST", url, timeout_s)
+    if status == 404:
+        raise EngineError(
+            f"POST {url}: HTTP 404: the engine has no sleep route (vLLM needs "
+            "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1)"
+        )
+    if status != 200:
+        raise _not_ok("POST", url, status, text)
+
+
+async def sleep(
+    endpoint: str,
+    level: int,
+    timeout: float = SLEEP_TIMEOUT_S,  # noqa: ASYNC109
+) -> None:
+    """vLLM's ``POST /sleep?level=N``: level 1 offloads the weights to host RAM and drops
+    the KV cache, level 2 discards both. Returns once the engine answered 200 (vLLM
+    answers after the memory is released). Raises :class:`EngineError` otherwise,
+    ``ValueError`` for a level vLLM does not have."""
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+    await _post_ok(f"{engine_root(endpoint)}/sleep?level={level}", timeout)
+
+
+async def wake(
+    endpoint: str,
+    timeout: float = SLEEP_TIMEOUT_S,  # noqa: ASYNC109
+) -> None:
+    """vLLM's ``POST /wake_up``: reloads the weights (and re-allocates the KV cache).
+    Returns once the engine answered 200. Raises :class:`EngineError` otherwise (the
+    caller still verifies the engine serves before publishing it)."""
+    await _post_ok(f"{engine_root(endpoint)}/wake_up", timeout)
+
+
+class _SleepState(BaseModel):
+    is_sleeping: bool
+
+
+async def is_sleeping(
+    endpoint: str,
+    timeout: float = PROBE_TIMEOUT_S,  # noqa: ASYNC109
+) -> bool | None:
+    """vLLM's ``GET /is_sleeping`` → ``{"is_sleeping": bool}``; ``None`` when the engine
+    cannot tell (no route, error, another body): unknown, never a guess."""
+    try:
+        body = await _get_json(f"{engine_root(endpoint)}/is_sleeping", timeout)
+        return _SleepState.model_validate(body).is_sleeping
+    except (EngineError, ValidationError):
+        return None
+
+
+# --------------------------------------------------------------------------- Prometheus text
+
+
+def parse_prometheus(text: str) -> dict[str, float | str]:
+    """The flat dict of the module doc. Raises ``ValueError`` naming the bad line."""
+    samples: dict[str, float] = {}
+    aliases: dict[str, float] = {}
+    info: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            name, labels, value = _parse_sample(line)
+        except ValueError as err:
+            raise ValueError(f"metrics line {number}: {err}: {line[:120]!r}") from None
+        series = name if not labels else f"{name}{{{_format_labels(labels)}}}"
+        samples[series] = value
+        if not labels and ":" in name:
+            aliases.setdefault(name.rsplit(":", 1)[1], value)
+        if name.endswith("_info"):
+            for key, label_value in labels:
+                info.setdefault(key, label_value)
+    result: dict[str, float | str] = dict(samples)
+    for key, number_value in aliases.items():
+        result.setdefault(key, number_value)
+    for key, label_value in info.items():
+        result.setdefault(key, label_value)
+    return result
+
+
+def _parse_sample(line: str) -> tuple[str, list[tuple[str, str]], float]:
+    end = 0
+    while end < len(line) and (line[end].isalnum() or line[end] in "_:"):
+        end += 1
+    name = line[:end]
+    if not name or name[0].isdigit():
+        raise ValueError("no metric name")
+    labels: list[tuple[str, str]] = []
+    rest = line[end:]
+    if rest.startswith("{"):
+        labels, rest = _parse_labels(rest)
+    fields = rest.split()
+    if not fields:
+        raise ValueError("no value")
+    return name, labels, _parse_value(fields[0])
+
+
+def _parse_labels(text: str) -> tuple[list[tuple[str, str]], str]:
+    """``{a="x",b="y"} 1`` → ``([("a", "x"), ("b", "y")], " 1")``."""
+    labels: list[tuple[str, str]] = []
+    pos = 1
+    while True:
+        while pos < len(text) and text[pos] in " ,":
+            pos += 1
+        if pos < len(text) and text[pos] == "}":
+            return labels, text[pos + 1 :]
+        eq = text.find("=", pos)
+        if eq < 0 or eq + 1 >= len(text) or text[eq + 1] != '"':
+            raise ValueError("bad label")
+        key = text[pos:eq].strip()
+        value, pos = _parse_quoted(text, eq + 2)
+        labels.append((key, value))
+
+
+def _parse_quoted(text: str, pos: int) -> tuple[str, int]:
+    chars: list[str] = []
+    escapes = {"n": "\n", "\\": "\\", '"': '"'}
+    while pos < len(text):
+        char = text[pos]
+        if char == "\\" and pos + 1 < len(text):
+            chars.append(escapes.get(text[pos + 1], text[pos + 1]))
+            pos += 2
+            continue
+        if char == '"':
+            return "".join(chars), pos + 1
+        chars.append(char)
+        pos += 1
+    raise ValueError("unterminated label value")
+
+
+def _parse_value(token: str) -> float:
+    special = {"+Inf": math.inf, "Inf": math.inf, "-Inf": -math.inf, "NaN": math.nan}
+    if token in special:
+        return special[token]
+    try:
+        return float(token)
+    except ValueError:
+        raise ValueError(f"bad value {token!r}") from None
+
+
+def _format_labels(labels: list[tuple[str, str]]) -> str:
+    def escape(value: str) -> str:
+        return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+    return ",".join(f'{key}="{escape(value)}"' for key, value in labels)
+
+
+# --------------------------------------------------------------------------- the proxy
+
+
+class _Inflight(BaseModel):
+    targets: dict[str, list[dict[str, Any]]]
+
+
+class ProxyTokenRejected(EngineError):
+    """The proxy answered 401 on an internal route: our token is not the proxy's.
+
+    Not "unknown, try again": no amount of waiting fixes a wrong token, so a
+    drain stops at once on it (enforce.py) and an alert names it, where a plain
+    unavailable list would keep the victim draining (parked) for the whole drain
+    timeout.
+    """
+
+
+def token_mismatch_message(url: str, has_token: bool) -> str:
+    """The one text every surface shows for a 401 from the proxy."""
+    sent = "the token from PROXY_AUTH_TOKEN" if has_token else "no token (none is configured)"
+    return (
+        f"the proxy at {url} refused {sent} (HTTP 401): uapplaced and the proxy have "
+        "different tokens; set the same PROXY_AUTH_TOKEN for both and restart uapplaced"
+    )
+
+
+class ProxyClient:
+    """The proxy's internal placement routes (CONTRACT.md §3)."""
+
+    def __init__(
+        self, base_url: str, token: str | None, timeout_s: float = PROXY_TIMEOUT_S
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    async def _request(self, method: str, path: str) -> tuple[int, str]:
+        return await _request(method, f"{self.base_url}{path}", self.timeout_s, self._headers())
+
+    async def inflight(self) -> dict[str, list[dict[str, Any]]] | None:
+        """``{target_id: [request…]}``; ``None`` = unknown (non-200, error, bad body),
+        which callers must treat as busy. A target absent from a good answer is idle.
+        A 401 raises :class:`ProxyTokenRejected` (a wrong token is not "unknown")."""
+        try:
+            status, text = await self._request("GET", INFLIGHT_PATH)
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        if status == 401:
+            url = f"{self.base_url}{INFLIGHT_PATH}"
+            raise ProxyTokenRejected(token_mismatch_message(url, bool(self.token)))
+        if status != 200:
+            return None
+        try:
+            return _Inflight.model_validate_json(text).targets
+        except ValidationError:
+            return None
+
+    async def refresh(self) -> tuple[bool, str]:
+        """``POST /internal/placement/refresh``: ``(ok, detail)`` for the ``refresh-proxy`` step."""
+        url = f"{self.base_url}{REFRESH_PATH}"
+        try:
+            status, text = await self._request("POST", REFRESH_PATH)
+        except (aiohttp.ClientError, TimeoutError) as err:
+            return False, f"POST {url}: {_describe(err)}"
+        if status == 401:
+            return False, token_mismatch_message(url, bool(self.token))
+        if status != 200:
+            return False, f"POST {url}: HTTP {status}: {text[:200]}"
+        try:
+            body = json.loads(text)
+        except ValueError:
+            return False, f"POST {url}: body is not JSON"
+        if not isinstance(body, dict) or body.get("ok") is not True:
+            return False, f"POST {url}: proxy did not answer ok: {text[:200]}"
+        cleared = body.get("cleared")
+        if isinstance(cleared, list) and cleared:
+            return True, "cleared " + ", ".join(str(item) for item in cleared)
+        return True, "refreshed"
+
+    async def check(self) -> str | None:
+        """For ``validate``: the problem with reaching the in-flight route, or ``None``.
+
+        A 401 is the token mismatch message; an unreachable proxy or a bad answer is
+        named as such (the proxy may simply be down, which ``validate`` reports
+        as a finding like any other)."""
+        url = f"{self.base_url}{INFLIGHT_PATH}"
+        try:
+            targets = await self.inflight()
+        except ProxyTokenRejected as err:
+            return str(err)
+        if targets is None:
+            return f"GET {url}: no usable answer (proxy down, or not speaking CONTRACT §3)"
+        return None

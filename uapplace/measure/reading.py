@@ -1,0 +1,172 @@
+"""A running engine as both measurements read it: which config is meant, the unit's
+PIDs, and the one device their memory is on.
+
+``uapplace measure`` (:mod:`uapplace.measure.measurer`, the footprint) and ``uapplace measure
+--envelope`` (:mod:`uapplace.measure.envelope`, the stop/start/sleep timings) both start
+from :meth:`EngineReader.read`, and both refuse with :class:`MeasurementRefused`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from uapplace.core.errors import Failed, InvalidArgument, NotFound, UnknownModel
+from uapplace.core.model import (
+    Config,
+    DeviceKind,
+    DeviceReading,
+    Model,
+    ProbeSource,
+    Registry,
+    Resident,
+)
+from uapplace.io import engines
+from uapplace.io.devices import gpu_usage_of
+from uapplace.io.units import UnitError, UnitManager
+
+DEFAULT_FLOOR_MIB = 64.0
+"""Below this, a GPU reading is not a loaded model (a CUDA context alone is ~300 MiB)."""
+
+
+class MeasurementRefused(Failed):
+    """The reading is not trustworthy; nothing was written. The message says why."""
+
+
+class MeasureHost(Protocol):
+    """What measuring needs from the controller (``ControllerHost`` provides it)."""
+
+    def registry(self) -> Registry: ...
+
+    def residents(self) -> Sequence[Resident]: ...
+
+    async def read_devices(self) -> Mapping[str, DeviceReading]: ...
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """What was seen of the engine, before any check."""
+
+    unit: str
+    main_pid: int
+    pids: tuple[int, ...]
+    device: str
+    gpu_mib: float
+    reading: DeviceReading
+
+
+class EngineReader:
+    """Finds the config a measurement means and reads its running engine."""
+
+    def __init__(
+        self,
+        host: MeasureHost,
+        units: UnitManager,
+        *,
+        floor_mib: float = DEFAULT_FLOOR_MIB,
+        http_s: float = engines.PROBE_TIMEOUT_S,
+    ) -> None:
+        self.host = host
+        self.units = units
+        self.floor_mib = floor_mib
+        self.http_s = http_s
+
+    def pick(self, registry: Registry, model: str, config: str) -> tuple[Model, Config]:
+        """The model and config ``model``/``config`` mean: the named config, the pinned
+        one, the resident's, or the only one; otherwise the argument is refused."""
+        resolved = registry.lookup(model)
+        if resolved is None:
+            raise UnknownModel(f"model {model!r} is in no registry file")
+        found, pinned = resolved
+        if config:
+            chosen = found.configs.get(config)
+            if chosen is None:
+                known = ", ".join(found.configs) or "none"
+                raise NotFound(f"model {found.key} has no config {config!r} (configs: {known})")
+            return found, chosen
+        if pinned is not None:
+            return found, pinned
+        resident = next((r for r in self.host.residents() if r.model == found.key), None)
+        if resident is not None and resident.config in found.configs:
+            return found, found.configs[resident.config]
+        if len(found.configs) == 1:
+            return found, next(iter(found.configs.values()))
+        raise InvalidArgument(
+            f"{found.key} has configs {', '.join(found.configs)} and none is resident: "
+            "name the config that is running"
+        )
+
+    async def read(
+        self, registry: Registry, unit: str, endpoint: str | None, config: Config | None = None
+    ) -> EngineReading:
+        """The unit's PIDs and the one device their memory is on; refused when the unit is
+        not running and healthy, holds nothing, spreads over devices or is below the floor.
+        An engine that holds no GPU memory is read on the host (:func:`_host_for_cpu_engine`)."""
+        try:
+            state = await self.units.state(unit)
+            pids = tuple(sorted(await self.units.pids(unit)))
+        except UnitError as err:
+            raise MeasurementRefused(f"cannot read {unit}: {err}") from None
+        if state.active_state != "active":
+            raise MeasurementRefused(
+                f"{unit} is not running ({state.active_state}/{state.sub_state}): start it, "
+                "let it load, then measure"
+            )
+        if endpoint is not None and not await engines.health(endpoint, timeout_s=self.http_s):
+            raise MeasurementRefused(
+                f"{endpoint}/health is not 200: measure once the engine has loaded"
+            )
+        if not pids:
+            raise MeasurementRefused(f"engine PID not found: {unit} has no process")
+        readings = await self.host.read_devices()
+        usage = gpu_usage_of({k: r for k, r in readings.items() if r.kind is DeviceKind.GPU}, pids)
+        if not usage:
+            host, why = _host_for_cpu_engine(registry, readings, config)
+            if host is None:
+                raise MeasurementRefused(
+                    f"engine PID not found: none of {unit}'s processes "
+                    f"({', '.join(map(str, pids))}) holds memory on a GPU{why}"
+                )
+            return EngineReading(unit, state.main_pid, pids, host, 0.0, readings[host])
+        if len(usage) > 1:
+            spread = ", ".join(f"{k} {v:,.0f} MiB" for k, v in usage.items())
+            raise MeasurementRefused(
+                f"{unit} holds memory on several devices ({spread}); a config is placed on one"
+            )
+        device, gpu_mib = next(iter(usage.items()))
+        if gpu_mib < self.floor_mib:
+            raise MeasurementRefused(
+                f"resident_gpu_mib {gpu_mib:,.1f} MiB on {device} is below the sanity floor "
+                f"of {self.floor_mib:g} MiB: the model is not loaded (or the driver does "
+                "not report per-process memory)"
+            )
+        return EngineReading(unit, state.main_pid, pids, device, gpu_mib, readings[device])
+
+
+def _host_for_cpu_engine(
+    registry: Registry, readings: Mapping[str, DeviceReading], config: Config | None
+) -> tuple[str | None, str]:
+    """``(host device key, "")`` when an engine holding no GPU memory is a CPU-only
+    engine, else ``(None, why)``: why it cannot be told apart from a GPU engine the probe
+    does not see (the text that ends the refusal).
+
+    Recorded as CPU only when every GPU can be read (an unreadable one might hold the
+    engine's memory) and the config was not last measured on a GPU (a GPU engine whose
+    per-process memory the driver stopped reporting must not turn into a free one).
+    Decision where the spec is silent (issue 12's CPU tier).
+    """
+    absent = [f"{k}: {r.error}" for k, r in readings.items() if r.source is ProbeSource.ABSENT]
+    if absent:
+        return None, f" (unreadable: {'; '.join(absent)})"
+    host = registry.host()
+    if host is None or host.key not in readings:
+        return None, " and the registry declares no cpu device to record a CPU-only engine on"
+    earlier = registry.devices.get(config.measured_on or "") if config is not None else None
+    was_gpu = earlier is not None and earlier.kind is DeviceKind.GPU
+    if config is not None and config.is_measured and earlier is not None and was_gpu:
+        return None, (
+            f"; {config.key} was measured on {earlier.key} before: the probe no longer "
+            "sees its GPU memory, so it is not recorded as CPU-only"
+        )
+    return host.key, ""

@@ -1,0 +1,252 @@
+"""The one publication check (DESIGN.md §5a invariant 2): may admission forward here?
+
+An engine is *published* (its resident ``hot``, the only state admission
+forwards to) only after this check passed for it in this daemon's life:
+
+1. its unit is ``active`` (checked by the caller: :func:`wait_up` for a run,
+   the unit sync for units it follows);
+2. ``GET /health`` answers 200 (a loading llama.cpp answers 503);
+3. ``GET /v1/models`` lists the requested id, the model's key, its config's key
+   or an id the model advertises (:func:`expectation`);
+4. the capacity policy's ``metricsMustMatch`` for the model's service holds
+   against ``GET /metrics``.
+
+Enforcement (:mod:`uapplace.enforce.steps`: ``verify-up``; :mod:`uapplace.enforce.rollback`:
+``rollback-verify``) and the unit sync (:mod:`uapplace.publish.unitsync`: units found
+running at start-up, started by hand, residents restored from the ledger) both
+call these functions, so the two paths cannot disagree about what "verified"
+means. Every engine route is read through an :class:`~uapplace.io.seams.EngineProbe`
+(the real HTTP one by default; the unit tier passes a fake).
+
+:func:`check` classifies a failure: ``unhealthy`` (no answer, 503, a route not
+ready: keep polling), ``wrong_id`` (``/v1/models`` answered, without any
+accepted id: never publish, report), ``metrics`` (the policy does not hold:
+never publish, report). The last two are facts about the engine as started, so
+the caller re-checks them with a long backoff rather than a tight poll (an
+operator may swap the engine to the right model in place).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from uapplace.core.model import Config, Model
+from uapplace.files.capacity import ServicePolicy
+from uapplace.io import engines
+from uapplace.io.seams import HTTP_ENGINES, EngineProbe
+from uapplace.io.units import UnitState, state_text
+
+DOWN_STATES = frozenset({"failed", "inactive"})
+"""Unit states that end any wait for the unit to turn healthy."""
+HEALTH_BACKOFF = 1.5
+"""Growth of the pause between two ``/health`` polls in :func:`wait_up`."""
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What ``/v1/models`` must show, and which policy ``/metrics`` must satisfy."""
+
+    requested: str
+    """The id asked for (named in messages)."""
+    model_key: str
+    accepted: frozenset[str]
+    """Any of these in ``/v1/models`` is enough."""
+    policy: ServicePolicy | None = None
+    can_sleep: bool = False
+    """The config declares an executable pause lever (issue 12): a sleeping vLLM still
+    answers ``/health`` 200 and lists its id, so ``/is_sleeping`` must say false too."""
+
+
+def expectation(
+    model: Model,
+    config: Config | None,
+    requested: str | None = None,
+    policy: ServicePolicy | None = None,
+) -> Expectation:
+    """The ids an engine of ``model`` (running ``config``) may serve to count as right.
+
+    ``requested`` defaults to the model key (a unit nobody asked for: started by
+    hand, or found at start-up).
+    """
+    asked = requested or model.key
+    accepted = {asked, model.key, *model.advertises}
+    if config is not None:
+        accepted.add(config.key)
+    can_sleep = config is not None and config.sleep_level is not None
+    return Expectation(asked, model.key, frozenset(accepted), policy, can_sleep)
+
+
+class Outcome(StrEnum):
+    OK = "ok"
+    UNHEALTHY = "unhealthy"
+    """Not answering, ``/health`` not 200, or a route not ready: poll again soon."""
+    WRONG_ID = "wrong_id"
+    """``/v1/models`` answered without any accepted id."""
+    METRICS = "metrics"
+    """The capacity policy's ``metricsMustMatch`` does not hold."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: Outcome
+    detail: str
+    served: tuple[str, ...] = ()
+    """What ``/v1/models`` listed, when it answered."""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+    @property
+    def is_wrong_engine(self) -> bool:
+        """A fact about the running engine, not a passing state: report it, back off."""
+        return self.outcome in (Outcome.WRONG_ID, Outcome.METRICS)
+
+
+async def served_problem(
+    endpoint: str, expect: Expectation, http_s: float, probe: EngineProbe = HTTP_ENGINES
+) -> str | None:
+    """``/v1/models`` must list an accepted id; ``None`` when it does, else why not."""
+    problem, _ids = await _served(endpoint, expect, http_s, probe)
+    return problem
+
+
+async def _served(
+    endpoint: str, expect: Expectation, http_s: float, probe: EngineProbe = HTTP_ENGINES
+) -> tuple[str | None, tuple[str, ...] | None]:
+    """(problem, served ids); served is ``None`` when ``/v1/models`` gave no usable list."""
+    try:
+        served = await probe.served_ids(endpoint, http_s)
+    except engines.EngineError as err:
+        return str(err), None
+    if expect.accepted.intersection(served):
+        return None, tuple(served)
+    return (
+        f"{endpoint} serves [{', '.join(served) or 'nothing'}], not {expect.requested} "
+        f"(nor any id {expect.model_key} advertises)"
+    ), tuple(served)
+
+
+async def metrics_problem(
+    policy: ServicePolicy, endpoint: str, http_s: float, probe: EngineProbe = HTTP_ENGINES
+) -> str | None:
+    """The capacity policy's ``metricsMustMatch`` against the engine's ``/metrics``."""
+    if not policy.metrics_must_match:
+        return None
+    try:
+        seen = await probe.metrics(endpoint, http_s)
+    except engines.EngineError as err:
+        return f"metricsMustMatch of service {policy.name}: {err}"
+    wrong = [
+        f"{key} is {seen.get(key, 'missing')!r}, policy wants {want!r}"
+        for key, want in policy.metrics_must_match.items()
+        if not metric_matches(want, seen.get(key))
+    ]
+    if wrong:
+        return f"metricsMustMatch of service {policy.name}: {'; '.join(wrong)}"
+    return None
+
+
+def metric_matches(want: str | int | float, seen: str | float | None) -> bool:
+    if seen is None:
+        return False
+    if isinstance(want, int | float) and isinstance(seen, int | float):
+        return float(want) == float(seen)
+    return str(want).strip().lower() == str(seen).strip().lower()
+
+
+async def check(
+    endpoint: str, expect: Expectation, http_s: float, probe: EngineProbe = HTTP_ENGINES
+) -> Verdict:
+    """One full look at a running engine: health, served id, metrics (in that order)."""
+    if not await probe.health(endpoint, http_s):
+        return Verdict(Outcome.UNHEALTHY, f"{endpoint}/health is not 200 yet")
+    problem, served = await _served(endpoint, expect, http_s, probe)
+    if problem is not None:
+        if served is None:
+            return Verdict(Outcome.UNHEALTHY, problem)
+        return Verdict(Outcome.WRONG_ID, problem, served)
+    assert served is not None
+    if expect.can_sleep:
+        asleep = await probe.is_sleeping(endpoint, http_s)
+        if asleep is not False:
+            why = (
+                "is asleep (paused): only a wake publishes it"
+                if asleep
+                else "cannot say whether it is asleep (/is_sleeping unanswered)"
+            )
+            return Verdict(Outcome.UNHEALTHY, f"{endpoint} {why}", served)
+    checked = ""
+    if expect.policy is not None and expect.policy.metrics_must_match:
+        problem = await metrics_problem(expect.policy, endpoint, http_s, probe)
+        if problem is not None:
+            return Verdict(Outcome.METRICS, problem, served)
+        checked = f"; metricsMustMatch {', '.join(expect.policy.metrics_must_match)} as policy"
+    return Verdict(Outcome.OK, f"{endpoint} healthy, serves {expect.requested}{checked}", served)
+
+
+@dataclass(frozen=True)
+class UnitWatch:
+    """How :func:`wait_up` follows one unit and its engine while it comes up.
+
+    ``changed`` is set by whoever follows the unit's state (the wait wakes early on
+    a change); ``cached_state`` is that follower's last state, ``fresh_state`` a read
+    from the manager. Polls start at ``first_poll_s`` and grow ×:data:`HEALTH_BACKOFF`
+    up to ``max_poll_s``; each HTTP call is bounded by ``http_s`` and goes through
+    ``probe``.
+    """
+
+    changed: asyncio.Event
+    fresh_state: Callable[[], Awaitable[UnitState | None]]
+    cached_state: Callable[[], UnitState | None]
+    first_poll_s: float
+    max_poll_s: float
+    http_s: float
+    probe: EngineProbe = HTTP_ENGINES
+
+
+async def wait_up(unit: str, endpoint: str | None, limit: float, watch: UnitWatch) -> str | None:
+    """Wait until ``unit`` is active and its ``/health`` is 200; ``None`` when it is,
+    else why not. A unit that goes down ends the wait at once."""
+    deadline = time.monotonic() + limit
+    interval = watch.first_poll_s
+    state = await watch.fresh_state()
+    while True:
+        watch.changed.clear()
+        if state is not None and state.active_state in DOWN_STATES:
+            return f"{unit} went {state_text(state)} while loading"
+        if state is not None and state.active_state == "active":
+            if endpoint is None:
+                return None
+            remaining = deadline - time.monotonic()
+            probe_s = max(0.05, min(watch.http_s, remaining))
+            if await watch.probe.health(endpoint, probe_s):
+                return None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            text = state_text(state) if state is not None else "unknown"
+            return f"{unit} not healthy after {limit:g}s (unit {text})"
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(watch.changed.wait(), min(interval, remaining))
+        interval = min(interval * HEALTH_BACKOFF, watch.max_poll_s)
+        state = watch.cached_state() or await watch.fresh_state()
+
+
+async def verify_up(
+    unit: str, endpoint: str | None, expect: Expectation, limit: float, watch: UnitWatch
+) -> Verdict:
+    """:func:`wait_up`, then :func:`check` once: the whole verify-up of a run."""
+    why = await wait_up(unit, endpoint, limit, watch)
+    if why is not None:
+        return Verdict(Outcome.UNHEALTHY, why)
+    if endpoint is None:
+        return Verdict(Outcome.OK, f"{unit} active; no endpoint in the registry to probe")
+    verdict = await check(endpoint, expect, watch.http_s, watch.probe)
+    if verdict.ok:
+        return Verdict(Outcome.OK, f"{unit} active, {verdict.detail}", verdict.served)
+    return verdict
