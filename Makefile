@@ -27,8 +27,8 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-# The import contracts in pyproject's [tool.importlinter] (HACKING.md: "What each
-# module may import and change"). No cache: the graph takes well under a second.
+# The import contracts in pyproject's [tool.importlinter] (docs/architecture.md,
+# "Layers"). No cache: the graph takes well under a second.
 layering: setup
 	$(BIN)/lint-imports --no-cache
 

@@ -52,6 +52,7 @@ from uapplace.bus.client import PlacementClient, PlacementError
 from uapplace.controller.controller import Controller
 from uapplace.controller.holds import ProxyHolders
 from uapplace.controller.ports import NoEvents
+from uapplace.core.errors import no_pending
 from uapplace.core.model import Decision
 from uapplace.daemon.wiring import attach_enforcement
 from uapplace.demo.sandbox import CODER, WRITER, DemoModel, Sandbox, SandboxSpec
@@ -247,7 +248,10 @@ async def in_process(stack: AsyncExitStack, box: Sandbox) -> Enforcement:
                 await asyncio.sleep(0.02)
 
     async def apply(placement_id: str, index: int, expected: list[str]) -> dict[str, Any]:
-        return await enforcement_stack.enforcer.apply(placement_id, index, expected)
+        entry = controller.live_pending_entry(placement_id)
+        if entry is None:
+            raise no_pending(placement_id)
+        return await enforcement_stack.enforcer.apply(entry, index, expected)
 
     async def residents() -> list[tuple[str, str]]:
         return [(r.model, r.state.value) for r in controller.residents]

@@ -21,8 +21,8 @@ Each step is one random operation:
 - ``apply`` (option and signature as ``ListPending`` shows them), ``load``
   (``Preview``'s first option signature), ``unload`` (``PreviewUnload``'s), each
   possibly with **a SIGKILL of uapplaced** when the run reports a chosen step
-  (any of §4.6's steps or the rollback steps, from the ``EnforcementStep``
-  signal); the harness then restarts the daemon, which repairs the run
+  (any step of docs/placement-rules.md §4.6 or a rollback step, from the
+  ``EnforcementStep`` signal); the harness then restarts the daemon, which repairs the run
   (:mod:`uapplace.recovery.recover`);
 - a unit started or stopped by hand (``StartUnit``/``StopUnit``);
 - an engine fault for the unit's next start: ``exit`` at start, ``never-healthy``,
@@ -30,7 +30,7 @@ Each step is one random operation:
   or healing it; or a running engine SIGKILLed;
 - ``dismiss`` a pending entry; an idle SIGKILL of the daemon.
 
-After each step it waits until the daemon has settled, then checks DESIGN §5a:
+After each step it waits until the daemon has settled, then checks docs/invariants.md:
 
 1. **forward**: every forward's target serves the requested id (its ``/v1/models``
    is read right after the answer);
@@ -80,9 +80,21 @@ from dbus_fast import Message, MessageType
 
 from uapplace.bus.client import PlacementClient, PlacementError
 from uapplace.bus.util import bus_daemon_message
+from uapplace.core.steps import (
+    DRAIN,
+    MARK_DRAINING,
+    REFRESH_PROXY,
+    ROLLBACK_START,
+    ROLLBACK_STOP,
+    ROLLBACK_VERIFY,
+    START,
+    STOP,
+    VERIFY_FREE,
+    VERIFY_UP,
+)
 from uapplace.files.paths import INTERFACE
 from uapplace.files.registry import local_measurements
-from uapplace.io.units import UnitManager
+from uapplace.io.units import RUNNING_OR_STARTING_STATES, UnitManager
 from uapplace.sim import proxy as sim_proxy
 from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
 from uapplace.sim.usermanager import ContainedUserManager
@@ -91,19 +103,18 @@ DEVICE_MIB = 24576
 MODELS: dict[str, int] = {"alpha": 14000, "beta": 12000, "gamma": 8000}
 CONFIG = {m: f"{m[0]}1" for m in MODELS}
 FAULTS = ("exit", "never-healthy", "wrong-id", "orphan", "slow-stop")
+ROLLBACK_KILL_STEPS = (ROLLBACK_STOP, ROLLBACK_START, ROLLBACK_VERIFY)
+"""Where a run that is likely to roll back is killed."""
 KILL_STEPS = (
-    "mark-draining",
-    "drain",
-    "stop",
-    "verify-free",
-    "start",
-    "verify-up",
-    "refresh-proxy",
-    "rollback-stop",
-    "rollback-start",
-    "rollback-verify",
+    MARK_DRAINING,
+    DRAIN,
+    STOP,
+    VERIFY_FREE,
+    START,
+    VERIFY_UP,
+    REFRESH_PROXY,
+    *ROLLBACK_KILL_STEPS,
 )
-ROLLBACK_STEPS = ("rollback-stop", "rollback-start", "rollback-verify")
 EMPTYING_ALERTS = frozenset(
     {"rollback_incomplete", "recovery_needed", "enforcement_failed", "resident_dropped"}
 )
@@ -612,7 +623,7 @@ class Chaos:
                 self.kill_at = self.rng.choice(KILL_STEPS)
             else:  # rollback-start/-verify happen only when victims were stopped
                 self.kill_at = self.rng.choice(
-                    ROLLBACK_STEPS if has_victims else ROLLBACK_STEPS[:1]
+                    ROLLBACK_KILL_STEPS if has_victims else ROLLBACK_KILL_STEPS[:1]
                 )
 
     async def _op_hand_start(self) -> bool:
@@ -715,7 +726,7 @@ class Chaos:
         up: dict[str, int] = {}
         for engine in self.engines.values():
             state = await self.units.state(engine.unit)
-            if state.active_state in ("active", "activating", "reloading"):
+            if state.active_state in RUNNING_OR_STARTING_STATES:
                 up[engine.unit] = state.main_pid
         return up
 

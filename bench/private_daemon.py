@@ -46,7 +46,7 @@ def daemon_env(
     config.mkdir()
     home.mkdir()
     (config / "model-registry.json").write_text(json.dumps(registry))
-    # Measured figures count only from the machine-local file (spec §4.1).
+    # Measured figures count only from the machine-local file (docs/placement-rules.md §4.1).
     (home / "model-registry.json").write_text(json.dumps(local_measurements(registry)))
     (config / "capacity-policy.json").write_text(json.dumps({"services": []}))
     if ledger is not None:

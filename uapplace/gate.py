@@ -1,28 +1,28 @@
-"""The proxy side of the admission gate (CONTRACT.md §1–§2), for proxies written in Python.
+"""The proxy side of the admission gate (docs/http-contract.md §1, §2), for Python proxies.
 
 A proxy that fronts local models asks the placement controller (our shim) before
 it sends a request upstream, and answers a park with a ``409`` in the client's
 dialect. This module is that gate, so such a proxy needs no copy of the rules:
 
-- :class:`GateClient` posts CONTRACT §1's admit body and turns the answer into a
+- :class:`GateClient` posts the admit body of docs/http-contract.md §1 and turns the answer into a
   :class:`GateDecision`. Anything but a well-formed ``200`` answer (non-200,
   non-object body, unknown ``decision``, timeout, any exception) counts as *no
   answer* and the gate falls back to read-only admission from the proxy's
   cached upstream ids: a served id forwards, an unserved id parks with reason
-  ``no_controller``, an unprobed cache (``None``) forwards (spec §4.3: the same
+  ``no_controller``, an unprobed cache (``None``) forwards (docs/placement-rules.md §4.3: the same
   fail-open direction as the proxy's wire-model reconcile). A 5 s burst map on
   ``(client, model)`` (and ``("__auto__", model)`` for ``auto_loading``)
   re-parks a burst without asking again.
-- :class:`TargetSemaphores` is spec §4.3's per-target semaphore map ("Concurrency
-  must become per-target"): one budget per ``target_id``, sized from the rails
+- :class:`TargetSemaphores` is the per-target semaphore map of docs/placement-rules.md §4.3
+  (per-target concurrency): one budget per ``target_id``, sized from the rails
   the controller reports (``GET /api/placement/targets``, read with
   :meth:`GateClient.target_rails`), so a two-slot llama.cpp takes two requests at
   once and a one-rail server one, and the wire-model decision and the
   concurrency gate read the same target.
 - :func:`anthropic_409`, :func:`openai_409`, :func:`ollama_409` build the exact
   bodies; :func:`park_409` picks one by request path (:func:`dialect_for_path`).
-  Every park answer carries ``Retry-After: 2`` (spec §4.3: "parked requests
-  return 409 … plus a Retry-After: 2 header", whatever the dialect).
+  Every park answer carries ``Retry-After: 2``, whatever the dialect
+  (docs/http-contract.md §2).
 
 Usage in a proxy::
 
@@ -59,7 +59,7 @@ RESOLVE_WITH = (
 )
 NO_CONTROLLER = "no_controller"
 FALLBACK_TARGET = "default"
-"""The target key the proxy uses when no controller answer named one (CONTRACT §3)."""
+"""The target key the proxy uses when no controller answer named one (docs/http-contract.md §3)."""
 
 TARGET_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+:\S+$")
 PLACEMENT_ID_RE = re.compile(r"^plc-[0-9a-f]{6}$")
@@ -98,14 +98,14 @@ class _BurstPark:
 
 
 def new_placement_id() -> str:
-    """``plc-`` + 6 lowercase hex digits (CONTRACT §1)."""
+    """``plc-`` + 6 lowercase hex digits (docs/http-contract.md §1)."""
     return f"plc-{secrets.token_hex(3)}"
 
 
 def admit_body(
     model_id: str, client: str, session: str | None, cells: int | None
 ) -> dict[str, Any]:
-    """CONTRACT §1's request body; ``cells`` only when it is a positive integer.
+    """The request body of docs/http-contract.md §1; ``cells`` only when it is a positive integer.
 
     ``client`` and ``session`` go as they are: truncating them is the controller's job.
     """
@@ -325,11 +325,11 @@ class _Budget:
 
 
 class TargetSemaphores:
-    """Spec §4.3's per-target semaphore map, keyed by ``target_id`` and sized from rails.
+    """The per-target semaphores of docs/placement-rules.md §4.3, sized from each target's rails.
 
     ``rails`` maps a target to its rails (``None``: unknown). A target with
     unknown rails, or one never named, gets ``unknown`` rails: 1 by default, the
-    safe direction (spec §9 item 3: a failed probe must not hand a one-rail
+    safe direction (docs/placement-rules.md §5 item 3: a failed probe must not hand a one-rail
     server two requests); ``unknown=None`` leaves such targets unlimited.
     :meth:`resize` changes limits in place: requests already inside keep their
     rail, a raised limit lets waiters in at once, a lowered one admits nobody
@@ -396,7 +396,7 @@ class TargetSemaphores:
 
 
 def park_message(model: str, placement_id: str, reason: str) -> str:
-    """The human text of a park, by reason (CONTRACT §2, exact)."""
+    """The human text of a park, by reason (docs/http-contract.md §2, exact)."""
     if reason == "auto_loading":
         return (
             f"model {model} is being loaded automatically; retrying is correct and it will "
@@ -419,7 +419,7 @@ def _retry_headers() -> dict[str, str]:
 def anthropic_409(
     model: str, placement_id: str, reason: str
 ) -> tuple[int, dict[str, str], dict[str, Any]]:
-    """``409`` + ``Retry-After: 2`` + the ``model_placement_pending`` error (spec §4.3)."""
+    """``409``, ``Retry-After: 2``, ``model_placement_pending`` (docs/http-contract.md §2)."""
     body = {
         "type": "error",
         "error": {

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from dbus_fast import Message, MessageType
 
-from tests.bus.conftest import DaemonProcess, UapEnv, busctl
+from tests.bus.conftest import DaemonProcess, UapEnv, ask_bus
 from uapplace.bus import connection as busio
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
@@ -179,16 +179,7 @@ async def http_burst(
 
 def owner_pid(address: str) -> int | None:
     """The pid of the process owning ``org.uap.Placement1`` on the bus (``None``: no owner)."""
-    done = busctl(
-        address,
-        "call",
-        "org.freedesktop.DBus",
-        "/org/freedesktop/DBus",
-        "org.freedesktop.DBus",
-        "GetConnectionUnixProcessID",
-        "s",
-        BUS_NAME,
-    )
+    done = ask_bus(address, "GetConnectionUnixProcessID", BUS_NAME)
     words = done.stdout.split()
     return int(words[1]) if done.returncode == 0 and len(words) == 2 else None
 

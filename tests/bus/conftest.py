@@ -120,7 +120,7 @@ class UapEnv:
     def write_registry(self, document: dict[str, Any]) -> None:
         """The repo file, and this sandbox machine's measurements in the local file.
 
-        Measured figures count only from the machine-local file (spec §4.1), so a
+        Measured figures count only from the machine-local file (docs/placement-rules.md §4.1), so a
         sandbox that wants placeable models records them there, as ``measure`` would.
         """
         self.home.mkdir(parents=True, exist_ok=True)
@@ -199,18 +199,16 @@ def call_json(address: str, method: str, signature: str = "", *args: str) -> lis
     return data
 
 
+def ask_bus(
+    address: str, member: str, name: str, *options: str
+) -> subprocess.CompletedProcess[str]:
+    """``busctl [options] call`` to the bus itself (``org.freedesktop.DBus``): ``member(name)``."""
+    bus = ("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus")
+    return busctl(address, *options, "call", *bus, member, "s", name)
+
+
 def name_has_owner(address: str, name: str = BUS_NAME) -> bool:
-    done = busctl(
-        address,
-        "call",
-        "org.freedesktop.DBus",
-        "/org/freedesktop/DBus",
-        "org.freedesktop.DBus",
-        "NameHasOwner",
-        "s",
-        name,
-    )
-    return done.stdout.strip() == "b true"
+    return ask_bus(address, "NameHasOwner", name).stdout.strip() == "b true"
 
 
 @dataclass

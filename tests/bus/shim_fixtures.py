@@ -7,7 +7,10 @@ The daemon and the bus come from ``tests/bus/conftest.py`` (``make_env``,
   returns once it listens (its port read from its log line), with the token it
   created under the environment's ``XDG_RUNTIME_DIR``;
 - :func:`request` sends one request with :mod:`http.client` (raw bytes in, raw
-  bytes out) so tests see exactly what the proxy would.
+  bytes out) so tests see exactly what the proxy would;
+- :func:`daemon` and :func:`shim`: module-scoped fixtures, the daemon on a ledger with
+  ``alpha`` resident and the shim in front of it; a test module takes them by name
+  (``daemon = shim_fixtures.daemon``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +27,8 @@ from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+import pytest
 
 from tests.bus.conftest import (
     SEEDED_ENDPOINT,
@@ -34,6 +38,7 @@ from tests.bus.conftest import (
     wait_published,
     wait_until,
 )
+from tests.worlds.commands import shim_argv
 from tests.worlds.seed_docs import alpha_ledger
 from uapplace.files.paths import BUS_NAME
 
@@ -84,16 +89,7 @@ def start_shim(env: dict[str, str], bus_address: str, log_dir: Path, *args: str)
     log_path = log_dir / f"shim-{time.monotonic_ns()}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "uapplace.shim",
-                "--port",
-                "0",
-                "--bus-address",
-                without_guid(bus_address),
-                *args,
-            ],
+            shim_argv(without_guid(bus_address), *args),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -175,3 +171,15 @@ def running_shim(uap_env: UapEnv) -> Iterator[ShimProcess]:
         yield started
     finally:
         assert started.stop() == 0, started.log()
+
+
+@pytest.fixture(scope="module")
+def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
+    """The module's :func:`seeded_daemon`."""
+    yield from seeded_daemon(uap_env)
+
+
+@pytest.fixture(scope="module")
+def shim(uap_env: UapEnv, daemon: DaemonProcess) -> Iterator[ShimProcess]:
+    """The module's :func:`running_shim`, in front of :func:`daemon`."""
+    yield from running_shim(uap_env)

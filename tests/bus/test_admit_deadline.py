@@ -13,24 +13,18 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from tests.bus.conftest import DaemonProcess, UapEnv, call_json, wait_until
-from tests.bus.shim_fixtures import ShimProcess, request, running_shim, seeded_daemon
+from tests.bus import shim_fixtures
+from tests.bus.conftest import DaemonProcess, call_json, wait_until
+from tests.bus.shim_fixtures import ShimProcess, request
 
 pytestmark = pytest.mark.bus
 
 
-@pytest.fixture(scope="module")
-def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
-    yield from seeded_daemon(uap_env)
-
-
-@pytest.fixture(scope="module")
-def shim(uap_env: UapEnv, daemon: DaemonProcess) -> Iterator[ShimProcess]:
-    yield from running_shim(uap_env)
+daemon = shim_fixtures.daemon
+shim = shim_fixtures.shim
 
 
 def pending_clients(daemon: DaemonProcess) -> list[str]:

@@ -16,9 +16,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.bus import shim_fixtures
 from tests.bus.burst import BurstResult, bus_burst, http_burst, owner_pid
 from tests.bus.conftest import DaemonProcess, UapEnv
-from tests.bus.shim_fixtures import ShimProcess, seeded_daemon, start_shim
+from tests.bus.shim_fixtures import ShimProcess, start_shim
 
 pytestmark = pytest.mark.bus
 
@@ -27,9 +28,7 @@ CALLS = 2000
 CONNECTIONS = 20
 
 
-@pytest.fixture(scope="module")
-def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
-    yield from seeded_daemon(uap_env)
+daemon = shim_fixtures.daemon
 
 
 def shim_with(uap_env: UapEnv, *args: str) -> Iterator[ShimProcess]:

@@ -1,7 +1,7 @@
 """Live pending views (issue 13) with the real daemon, the real CLI and the real shim.
 
 A park whose only option stops the seeded ``alpha`` resident; a fake proxy (real
-HTTP on loopback, serving CONTRACT.md §3 ``/internal/placement/inflight`` from a
+HTTP on loopback, serving docs/http-contract.md §3 ``/internal/placement/inflight`` from a
 list the test sets) says what is in flight. ``ListPending``, the shim's
 ``/api/placement/pending``, ``uapplace pending`` and ``uapplace apply``'s
 confirmation show that list as it is at the time of each call: the request

@@ -14,6 +14,7 @@ from dbus_fast.aio import MessageBus
 
 from tests.bus import dbusmock_fixtures
 from tests.bus.dbusmock_fixtures import MockService, spawn_template
+from uapplace.bus.util import bus_daemon_message
 from uapplace.core.model import (
     Holder,
     Option,
@@ -287,14 +288,7 @@ async def forge_action(address: str, notification_id: int | None, key: str) -> N
                 [notification_id or 0, key],
             )
         )
-        reply = await bus.call(
-            Message(
-                destination="org.freedesktop.DBus",
-                path="/org/freedesktop/DBus",
-                interface="org.freedesktop.DBus",
-                member="GetId",
-            )
-        )
+        reply = await bus.call(bus_daemon_message("GetId"))
         assert reply is not None and reply.message_type is MessageType.METHOD_RETURN
     finally:
         bus.disconnect()

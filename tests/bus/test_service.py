@@ -29,6 +29,7 @@ from tests.bus.conftest import (
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.worlds.seed_docs import alpha_ledger
 from uapplace.bus.client import PlacementClient, PlacementError
+from uapplace.bus.util import add_match
 from uapplace.files.ledger import parse_ledger_text
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
@@ -106,18 +107,7 @@ async def subscribe(address: str) -> tuple[MessageBus, asyncio.Queue[Message]]:
             queue.put_nowait(message)
 
     bus.add_message_handler(on_message)
-    rule = f"type='signal',sender='{BUS_NAME}',path='{OBJECT_PATH}'"
-    reply = await bus.call(
-        Message(
-            destination="org.freedesktop.DBus",
-            path="/org/freedesktop/DBus",
-            interface="org.freedesktop.DBus",
-            member="AddMatch",
-            signature="s",
-            body=[rule],
-        )
-    )
-    assert reply is not None and reply.message_type is MessageType.METHOD_RETURN
+    await add_match(bus, f"type='signal',sender='{BUS_NAME}',path='{OBJECT_PATH}'")
     return bus, queue
 
 

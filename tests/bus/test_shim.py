@@ -1,4 +1,4 @@
-"""CONTRACT.md §1 and §4 against the real ``uapplace-shim`` in front of the real ``uapplaced``.
+"""docs/http-contract.md §1 and §4 against the real ``uapplace-shim`` before the real ``uapplaced``.
 
 One private bus and one daemon per module (``tests/bus/conftest.py``), with a
 ledger seeded with one resident (``alpha`` on ``gpu0``), and the shim as its own
@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import re
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.bus import shim_fixtures
 from tests.bus.conftest import (
     SEEDED_ENDPOINT,
     DaemonProcess,
@@ -35,8 +35,6 @@ from tests.bus.shim_fixtures import (
     Reply,
     ShimProcess,
     request,
-    running_shim,
-    seeded_daemon,
     start_shim,
 )
 
@@ -50,14 +48,8 @@ PARK_BYTES = re.compile(
 TARGET_ID = re.compile(r"^[A-Za-z0-9_.\-]+:\S+$")
 
 
-@pytest.fixture(scope="module")
-def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
-    yield from seeded_daemon(uap_env)
-
-
-@pytest.fixture(scope="module")
-def shim(uap_env: UapEnv, daemon: DaemonProcess) -> Iterator[ShimProcess]:
-    yield from running_shim(uap_env)
+daemon = shim_fixtures.daemon
+shim = shim_fixtures.shim
 
 
 def admit(shim: ShimProcess, body: Any) -> Reply:

@@ -11,16 +11,15 @@ from __future__ import annotations
 import json
 import re
 import socket
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
+from tests.bus import shim_fixtures
 from tests.bus.conftest import (
     SEEDED_ENDPOINT,
     DaemonProcess,
-    UapEnv,
     call,
     call_json,
     run_cli,
@@ -28,8 +27,6 @@ from tests.bus.conftest import (
 from tests.bus.shim_fixtures import (
     ShimProcess,
     request,
-    running_shim,
-    seeded_daemon,
 )
 from uapplace.bus.events import parse_sse
 from uapplace.io.engines import parse_prometheus
@@ -39,14 +36,8 @@ pytestmark = pytest.mark.bus
 GUARD_S = 20.0
 
 
-@pytest.fixture(scope="module")
-def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
-    yield from seeded_daemon(uap_env)
-
-
-@pytest.fixture(scope="module")
-def shim(uap_env: UapEnv, daemon: DaemonProcess) -> Iterator[ShimProcess]:
-    yield from running_shim(uap_env)
+daemon = shim_fixtures.daemon
+shim = shim_fixtures.shim
 
 
 class SseReader:

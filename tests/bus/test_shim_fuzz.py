@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import re
 import string
-from collections.abc import Iterator
 from dataclasses import dataclass
 from http.client import HTTPConnection
 from typing import Any
@@ -28,13 +27,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.bus import shim_fixtures
 from tests.bus.conftest import SEEDED_ENDPOINT, DaemonProcess, UapEnv, call_json
 from tests.bus.shim_fixtures import (
     Reply,
     ShimProcess,
     request,
-    running_shim,
-    seeded_daemon,
 )
 
 pytestmark = pytest.mark.bus
@@ -68,14 +66,8 @@ junk_json = st.recursive(
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
-    yield from seeded_daemon(uap_env)
-
-
-@pytest.fixture(scope="module")
-def shim(uap_env: UapEnv, daemon: DaemonProcess) -> Iterator[ShimProcess]:
-    yield from running_shim(uap_env)
+daemon = shim_fixtures.daemon
+shim = shim_fixtures.shim
 
 
 # --------------------------------------------------------------------------- schema → strategy

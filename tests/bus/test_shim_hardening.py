@@ -19,7 +19,6 @@ import json
 import resource
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,16 +26,17 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.bus import shim_fixtures
 from tests.bus.conftest import DaemonProcess, UapEnv, call_json, wait_until
 from tests.bus.shim_fixtures import (
     LISTENING,
     STARTUP_TIMEOUT_S,
     ShimProcess,
     request,
-    seeded_daemon,
     start_shim,
     without_guid,
 )
+from tests.worlds.commands import shim_argv
 from uapplace.shim.routes import ROUTES
 
 pytestmark = pytest.mark.bus
@@ -46,9 +46,7 @@ SOCKET_TIMEOUT_S = 30.0
 """Far above the shim's 1 s timeouts: a test that reaches it fails (the shim held on)."""
 
 
-@pytest.fixture(scope="module")
-def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
-    yield from seeded_daemon(uap_env)
+daemon = shim_fixtures.daemon
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +215,7 @@ def start_capped_shim(uap: UapEnv, *args: str, nofile: int | None = None) -> Shi
     """``start_shim`` with a long header timeout (held connections stay held), optionally
     under an ``RLIMIT_NOFILE`` of ``nofile`` (soft and hard, as ``LimitNOFILE=`` sets it)."""
     log_path = uap.root / f"shim-capped-{time.monotonic_ns()}.log"
-    argv = [sys.executable, "-m", "uapplace.shim", "--port", "0"]
-    argv += ["--bus-address", without_guid(uap.bus_address), "--header-timeout", "60", *args]
+    argv = shim_argv(without_guid(uap.bus_address), "--header-timeout", "60", *args)
 
     def limit() -> None:
         if nofile is not None:

@@ -24,15 +24,15 @@ import pytest
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
+from tests.bus import shim_fixtures
 from tests.bus.conftest import (
     SEEDED_ENDPOINT,
     DaemonProcess,
     UapEnv,
-    busctl,
+    ask_bus,
     make_env,
     start_daemon,
     wait_published,
-    wait_until,
 )
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.bus.shim_fixtures import SEEDED_LEDGER, ShimProcess, request, start_shim, without_guid
@@ -49,16 +49,7 @@ FORWARD_ALPHA = f'{{"decision":"forward","target_id":"gpu0:{SEEDED_ENDPOINT}"}}'
 ON_PEER = "admits go over the peer socket"
 
 
-@pytest.fixture(scope="module")
-def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
-    uap_env.seed_ledger(SEEDED_LEDGER)
-    started = start_daemon(uap_env)
-    wait_until(lambda: f"owns {BUS_NAME}" in started.log(), "uapplaced to finish wiring")
-    try:
-        wait_published(uap_env.bus_address)
-        yield started
-    finally:
-        assert started.stop() == 0, started.log()
+daemon = shim_fixtures.daemon
 
 
 def peer_socket(uap: UapEnv) -> Path:
@@ -72,17 +63,7 @@ def admit(shim: ShimProcess, client: str) -> tuple[int, bytes]:
 
 def bus_daemon_pid(address: str) -> int:
     """The ``dbus-daemon`` serving ``address``: the bus answers for its own name."""
-    done = busctl(
-        address,
-        "--json=short",
-        "call",
-        "org.freedesktop.DBus",
-        "/org/freedesktop/DBus",
-        "org.freedesktop.DBus",
-        "GetConnectionUnixProcessID",
-        "s",
-        "org.freedesktop.DBus",
-    )
+    done = ask_bus(address, "GetConnectionUnixProcessID", "org.freedesktop.DBus", "--json=short")
     assert done.returncode == 0, done.stderr
     return int(json.loads(done.stdout)["data"][0])
 

@@ -1,4 +1,6 @@
-"""Tier 3 fixtures: a contained ``systemd --user`` (DESIGN.md §6), units running the fake engine.
+"""Tier 3 fixtures: a contained ``systemd --user``, units running the fake engine.
+
+docs/architecture.md ("Contained user manager").
 
 - ``user_manager`` (session): one :class:`ContainedUserManager` for the whole
   tier. Skips with the reason from ``can_contain()`` where it cannot run; fails
@@ -13,6 +15,8 @@
 - ``built_world``: :mod:`tests.systemd.placement_world`'s machine, nothing started;
   ``alpha_world``: the same with ``alpha`` started and a hot resident.
 - ``live``: :mod:`tests.systemd.live_world`'s machine (every part a real program).
+- ``uap``: a private world for a ``uapplaced`` process (the bus tier's ``make_env``)
+  on the contained manager's bus, under ``tmp_path / "uap"``.
 
 :data:`APPLY_STEPS` is what every successful apply reports, in order.
 """
@@ -32,6 +36,7 @@ from typing import Any
 
 import pytest
 
+from tests.bus.conftest import UapEnv, make_env
 from tests.systemd import placement_world as placement
 from tests.systemd.live_world import LiveWorld, live_world
 from tests.worlds.steps import APPLY_STEPS as APPLY_STEPS  # the tier's tests import it from here
@@ -178,6 +183,12 @@ async def unit_files(
         await units.stop_unit(name, timeout=15)
     files.remove_all()
     await units.reload()
+
+
+@pytest.fixture
+def uap(user_manager: ContainedUserManager, tmp_path: Path) -> UapEnv:
+    """A private world for a ``uapplaced`` process on the contained manager's bus."""
+    return make_env(tmp_path / "uap", user_manager.bus_address)
 
 
 @pytest.fixture

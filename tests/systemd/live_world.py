@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import aiohttp
 from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
 from tests.bus.shim_fixtures import ShimProcess, start_shim
 from tests.systemd.placement_world import ALPHA_MIB, BETA_MIB, FAST, POLICY, registry_json
+from tests.worlds import polling
 from uapplace.files.paths import BUS_NAME
 from uapplace.io.units import UnitManager
 from uapplace.sim import gateproxy, serving
@@ -64,17 +64,7 @@ class LiveWorld:
 
     async def until(self, what: str, check: Callable[[], Any]) -> Any:
         """Await ``check()`` until it returns something truthy; fail with the daemon's log."""
-        try:
-            async with asyncio.timeout(GUARD_S):
-                while True:
-                    value = await check()
-                    if value:
-                        return value
-                    await asyncio.sleep(0.05)
-        except TimeoutError:
-            raise AssertionError(
-                f"gave up waiting for {what}; uapplaced log:\n{self.daemon.log()[-4000:]}"
-            ) from None
+        return await polling.until(what, check, self.daemon.log, guard_s=GUARD_S)
 
     # ------------------------------------------------------------- the shim
 
@@ -160,8 +150,7 @@ async def live_world(
             "beta", "beta", sim, mib=mibs[1], engine_args=beta_load, port=shared_port
         )
         await units.reload()
-        host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
-        registry = registry_json(alpha, beta, host_mib, *mibs)
+        registry = registry_json(alpha, beta, *mibs)
         if single_upstream:
             registry["proxy"] = {"single_upstream": alpha.endpoint}
         uap.write_registry(registry)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from tests.worlds.registries import measured, sim_devices, unit_model
 from uapplace.controller.controller import Controller
 from uapplace.controller.dropins import no_manager_to_reload
 from uapplace.controller.holds import ProxyHolders
@@ -40,7 +41,7 @@ from uapplace.io.engines import ProxyClient
 from uapplace.io.units import UnitManager, UnitState
 from uapplace.publish.unitsync import UnitSync
 from uapplace.sim import proxy as sim_proxy
-from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
+from uapplace.sim.gpu import SimGpu, pid_alive
 
 if TYPE_CHECKING:  # conftest imports this module (its fixtures build the world): types only here
     from tests.systemd.conftest import EngineUnit, UnitFiles
@@ -50,7 +51,6 @@ GUARD_S = 30.0
 
 ALPHA_MIB = 14000
 BETA_MIB = 16000
-MEASURED_AT = "2026-10-08T14:02:00Z"
 
 FAST = Timeouts(
     drain_s=0.6,
@@ -191,10 +191,14 @@ class World:
     def target_of(self, unit: EngineUnit) -> str:
         return f"gpu0:{unit.endpoint}"
 
+    def orphan_pid(self) -> int:
+        """The PID the ``--orphan`` engine wrote (once ``orphan_pidfile`` exists)."""
+        return int(self.orphan_pidfile.read_text(encoding="ascii").strip())
+
     def kill_orphan(self) -> None:
         """End the orphan a ``--orphan`` engine left (by the PID it wrote), if any."""
         try:
-            pid = int(self.orphan_pidfile.read_text(encoding="ascii").strip())
+            pid = self.orphan_pid()
         except (OSError, ValueError):
             return
         if pid_alive(pid):
@@ -212,53 +216,24 @@ def step_names(result: dict[str, Any]) -> list[str]:
 
 
 def registry_json(
-    alpha: EngineUnit,
-    beta: EngineUnit,
-    host_mib: int,
-    alpha_mib: int = ALPHA_MIB,
-    beta_mib: int = BETA_MIB,
+    alpha: EngineUnit, beta: EngineUnit, alpha_mib: int = ALPHA_MIB, beta_mib: int = BETA_MIB
 ) -> dict[str, Any]:
-    def measured(mib: int) -> dict[str, Any]:
-        return {
-            "resident_gpu_mib": mib,
-            "host_rss_mib": 64,
-            "kv_resident_cells": 32768,
-            "context_pool_cells": 32768,
-            "kv": "int8",
-            "measured_at": MEASURED_AT,
-            "measured_on": "gpu0",
-        }
-
+    """``alpha`` and ``beta`` on the simulated card, their configs measured with the
+    ``kv`` that :data:`POLICY` asks of ``beta-server``."""
     return {
         "version": 1,
-        "devices": {
-            "gpu0": {
-                "kind": "gpu",
-                "name": "Simulated GPU",
-                "total_mib": 24576,
-                "reserved_mib": 0,
-                "uuid": sim_uuid(0),
-            },
-            "cpu0": {"kind": "cpu", "total_mib": host_mib, "reserved_mib": 256},
-        },
+        "devices": sim_devices(),
         "models": {
-            "alpha": {
-                "display": "Alpha",
-                "engine": "llama.cpp",
-                "unit": alpha.name,
-                "endpoint": alpha.endpoint,
-                "configs": {"a1": measured(alpha_mib)},
-                "advertises": ["alpha-latest"],
-            },
-            "beta": {
-                "display": "Beta",
-                "engine": "llama.cpp",
-                "unit": beta.name,
-                "endpoint": beta.endpoint,
-                "service": "beta-server",
-                "configs": {"b1": measured(beta_mib)},
-                "advertises": ["beta-latest"],
-            },
+            "alpha": unit_model(
+                "alpha", alpha, measured(alpha_mib, kv="int8"), advertises=["alpha-latest"]
+            ),
+            "beta": unit_model(
+                "beta",
+                beta,
+                measured(beta_mib, kv="int8"),
+                service="beta-server",
+                advertises=["beta-latest"],
+            ),
         },
     }
 
@@ -279,10 +254,17 @@ async def build_world(
     alpha_mib: int = ALPHA_MIB,
     beta_mib: int = BETA_MIB,
     unit_dir: Path | None = None,
+    orphan: bool = False,
 ) -> World:
     """``unit_dir``: the user manager's unit directory; the controller's ``Conflicts=``
-    drop-ins go there and are followed by a user-manager reload (as in the daemon)."""
+    drop-ins go there and are followed by a user-manager reload (as in the daemon).
+    ``orphan``: alpha's engine leaves a child holding its memory that outlives it
+    (``KillMode=process``), its PID in ``orphan_pidfile`` (:meth:`World.orphan_pid`)."""
     orphan_pidfile = tmp_path / "orphan.pid"
+    if orphan:
+        pidfile = ["--orphan-pidfile", str(orphan_pidfile), "--orphan-lifetime", "60"]
+        alpha_args = [*alpha_args, "--orphan", *pidfile]
+        alpha_service = "\n".join(filter(None, [alpha_service, "KillMode=process"]))
     # The proxy binds first, so the free ports picked for the engines cannot be its.
     proxy = sim_proxy.FakeProxy()
     runner, proxy_url = await sim_proxy.start(proxy)
@@ -310,8 +292,7 @@ async def build_world(
         uap_home = tmp_path / "uap"
         config_dir.mkdir()
         uap_home.mkdir()
-        host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
-        registry = registry_json(alpha, beta, host_mib, alpha_mib, beta_mib)
+        registry = registry_json(alpha, beta, alpha_mib, beta_mib)
         (config_dir / "model-registry.json").write_text(json.dumps(registry), encoding="utf-8")
         # The figures are this sandbox machine's own: they count only from the local file.
         local = json.dumps(local_measurements(registry))

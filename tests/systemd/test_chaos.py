@@ -3,7 +3,7 @@
 At least :data:`STEPS` random operations with at least :data:`MIN_KILLS` SIGKILLs
 of ``uapplaced`` (at enforcement steps, rollback steps included, and idle), on
 the tier's contained ``systemd --user`` with real units running the fake engine
-and the real daemon; DESIGN §5a's invariants are checked after every step (see
+and the real daemon; docs/invariants.md's invariants are checked after every step (see
 :mod:`bench.chaos`). The seed is printed first and named in the failure;
 ``UAPPLACE_CHAOS_SEED=<n>`` (or ``bench/chaos.py --seed <n>``) replays it.
 """

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from tests.systemd.conftest import EngineUnit, UnitFiles
-from tests.systemd.placement_world import GUARD_S, MEASURED_AT, World, build_world, close_world
+from tests.systemd.placement_world import GUARD_S, World, build_world, close_world
+from tests.worlds.registries import measured, unit_model
 from uapplace.core.model import OptionKind
 from uapplace.files.registry import local_measurements
 from uapplace.io.units import DROPIN_NAME, UnitManager, unit_name
@@ -77,22 +78,7 @@ def add_gamma(world: World, gamma: EngineUnit) -> None:
     """A third model in both registry files (its figures are this machine's own)."""
     repo = world.paths.repo_registry
     doc: dict[str, Any] = json.loads(repo.read_text(encoding="utf-8"))
-    doc["models"]["gamma"] = {
-        "display": "Gamma",
-        "engine": "llama.cpp",
-        "unit": gamma.name,
-        "endpoint": gamma.endpoint,
-        "configs": {
-            "g1": {
-                "resident_gpu_mib": GAMMA_MIB,
-                "host_rss_mib": 64,
-                "kv_resident_cells": 32768,
-                "context_pool_cells": 32768,
-                "measured_at": MEASURED_AT,
-                "measured_on": "gpu0",
-            }
-        },
-    }
+    doc["models"]["gamma"] = unit_model("gamma", gamma, measured(GAMMA_MIB))
     repo.write_text(json.dumps(doc), encoding="utf-8")
     local = json.dumps(local_measurements(doc))
     world.paths.local_registry.write_text(local, encoding="utf-8")

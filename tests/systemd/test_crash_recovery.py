@@ -37,6 +37,7 @@ from dbus_fast import Message, MessageType
 from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
 from tests.systemd.conftest import EngineUnit, UnitFiles
 from tests.systemd.placement_world import FAST, POLICY, UnitTimeline, registry_json
+from tests.worlds import polling
 from uapplace.bus.client import PlacementClient, PlacementError
 from uapplace.bus.util import bus_daemon_message
 from uapplace.files.paths import INTERFACE
@@ -114,16 +115,35 @@ class CrashWorld:
         return await PlacementClient.connect(self.uap.bus_address, call_timeout=GUARD_S)
 
     async def until(self, what: str, check: Callable[[], Any]) -> Any:
-        try:
-            async with asyncio.timeout(GUARD_S):
-                while True:
-                    value = await check()
-                    if value:
-                        return value
-                    await asyncio.sleep(0.05)
-        except TimeoutError:
-            log = self.daemon.log()[-6000:] if self.daemon is not None else ""
-            raise AssertionError(f"gave up waiting for {what}; uapplaced log:\n{log}") from None
+        """Await ``check()`` until it returns something truthy; fail with the daemon's log."""
+
+        def log() -> str:
+            return self.daemon.log() if self.daemon is not None else ""
+
+        return await polling.until(what, check, log, guard_s=GUARD_S, tail=6000)
+
+    async def until_alpha_hot(self, client: PlacementClient) -> None:
+        async def alpha_hot() -> bool:
+            return (await resident_states(client)).get("alpha") == "hot"
+
+        await self.until("alpha hot", alpha_hot)
+
+    async def until_killed(self) -> None:
+        """Until the daemon the crash hook SIGKILLs has exited; it must have been killed."""
+        daemon = self.daemon
+        assert daemon is not None
+        code = await asyncio.wait_for(asyncio.to_thread(daemon.process.wait), GUARD_S)
+        assert code == -signal.SIGKILL, f"uapplaced exited {code}:\n{daemon.log()[-4000:]}"
+
+    async def recovery_alert(self, client: PlacementClient, run_id: str) -> dict[str, Any]:
+        """The alert whose subject is ``run_id``, once ``GetState`` carries it."""
+
+        async def alert() -> dict[str, Any] | None:
+            alerts = (await client.get_state())["alerts"]
+            return next((a for a in alerts if a["subject"] == run_id), None)
+
+        found: dict[str, Any] = await self.until(f"the recovery alert for {run_id}", alert)
+        return found
 
 
 async def wait_for_log(daemon: DaemonProcess, line: str) -> None:
@@ -158,8 +178,7 @@ async def world(
         beta_args = [*load, "--advertise", "beta-latest", *case.beta_args]
         beta = unit_files.engine("beta", "beta", sim, mib=16000, engine_args=beta_args)
         await units.reload()
-        host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
-        registry = registry_json(alpha, beta, host_mib)
+        registry = registry_json(alpha, beta)
         if case.pause:
             for model in registry["models"].values():
                 for config in model["configs"].values():
@@ -213,18 +232,11 @@ async def crash_during_apply(world: CrashWorld, case: Case) -> tuple[str, dict[s
     """Run the apply under the crash hook; the placement id and the journal the crash left."""
     client = await world.start_daemon(case.crash_at)
     try:
-
-        async def alpha_hot() -> bool:
-            return (await resident_states(client)).get("alpha") == "hot"
-
-        await world.until("alpha hot", alpha_hot)
+        await world.until_alpha_hot(client)
         placement_id, index, signature = await park_beta(world, client)
         assert signature == ["alpha/a1@pause" if case.pause else "alpha/a1"], signature
         apply = asyncio.ensure_future(client.apply(placement_id, index, signature))
-        daemon = world.daemon
-        assert daemon is not None
-        code = await asyncio.wait_for(asyncio.to_thread(daemon.process.wait), GUARD_S)
-        assert code == -signal.SIGKILL, f"uapplaced exited {code}:\n{daemon.log()[-4000:]}"
+        await world.until_killed()
         with pytest.raises(PlacementError):
             await apply  # the daemon died mid-call
     finally:
@@ -240,12 +252,7 @@ async def check_recovered(
     run_id = journal["run_id"]
     client = await world.start_daemon(None)
     try:
-
-        async def alert() -> dict[str, Any] | None:
-            alerts = (await client.get_state())["alerts"]
-            return next((a for a in alerts if a["subject"] == run_id), None)
-
-        found: dict[str, Any] = await world.until(f"the recovery alert for {run_id}", alert)
+        found = await world.recovery_alert(client, run_id)
         print(f"{case.crash_at}: {found['message']}")
         assert found["kind"] == "recovery_done", found
         assert found["severity"] == "warning", found
@@ -341,17 +348,10 @@ async def test_an_unload_killed_at_a_step_is_repaired_at_restart(world: CrashWor
     case = world.case
     client = await world.start_daemon(case.crash_at)
     try:
-
-        async def alpha_hot() -> bool:
-            return (await resident_states(client)).get("alpha") == "hot"
-
-        await world.until("alpha hot", alpha_hot)
+        await world.until_alpha_hot(client)
         signature = (await client.preview_unload("alpha"))["signature"]
         unload = asyncio.ensure_future(client.unload("alpha", signature))
-        daemon = world.daemon
-        assert daemon is not None
-        code = await asyncio.wait_for(asyncio.to_thread(daemon.process.wait), GUARD_S)
-        assert code == -signal.SIGKILL, f"uapplaced exited {code}:\n{daemon.log()[-4000:]}"
+        await world.until_killed()
         with pytest.raises(PlacementError):
             await unload
     finally:
@@ -360,12 +360,7 @@ async def test_an_unload_killed_at_a_step_is_repaired_at_restart(world: CrashWor
 
     client = await world.start_daemon(None)
     try:
-
-        async def alert() -> dict[str, Any] | None:
-            alerts = (await client.get_state())["alerts"]
-            return next((a for a in alerts if a["subject"] == run_id), None)
-
-        found: dict[str, Any] = await world.until(f"the recovery alert for {run_id}", alert)
+        found = await world.recovery_alert(client, run_id)
         print(f"unload {case.crash_at}: {found['message']}")
         assert (found["kind"], found["detail"]["outcome"]) == ("recovery_done", case.outcome)
         want = {"alpha": "hot"} if case.serving else {}
@@ -414,11 +409,7 @@ async def test_a_kill_on_the_start_signal_while_the_new_engine_loads_finishes_th
         match = f"type='signal',interface='{INTERFACE}',member='EnforcementStep'"
         reply = await client.bus.call(bus_daemon_message("AddMatch", "s", [match]))
         assert reply is not None and reply.message_type is MessageType.METHOD_RETURN
-
-        async def alpha_hot() -> bool:
-            return (await resident_states(client)).get("alpha") == "hot"
-
-        await world.until("alpha hot", alpha_hot)
+        await world.until_alpha_hot(client)
         placement_id, index, signature = await park_beta(world, client)
         apply = asyncio.ensure_future(client.apply(placement_id, index, signature))
         code = await asyncio.wait_for(asyncio.to_thread(daemon.process.wait), GUARD_S)
@@ -460,12 +451,7 @@ async def test_a_pause_run_killed_after_the_pause_never_publishes_a_sleeping_vic
     run_id = journal["run_id"]
     client = await world.start_daemon(None)
     try:
-
-        async def alert() -> dict[str, Any] | None:
-            alerts = (await client.get_state())["alerts"]
-            return next((a for a in alerts if a["subject"] == run_id), None)
-
-        found: dict[str, Any] = await world.until(f"the recovery alert for {run_id}", alert)
+        found = await world.recovery_alert(client, run_id)
         print(f"pause {case.crash_at}: {found['message']}")
         assert (found["kind"], found["detail"]["outcome"]) == ("recovery_done", case.outcome)
         assert "alpha/a1" in found["message"], found

@@ -1,4 +1,4 @@
-"""Enforcement (spec §4.6) on a contained systemd --user: real units, real engines, real HTTP.
+"""Enforcement (docs/placement-rules.md §4.6) in a contained user manager, real engines and HTTP.
 
 Every test builds the two-model machine of :mod:`tests.systemd.placement_world`
 (``alpha`` resident, ``beta`` needing its place), drives the real controller's
@@ -12,36 +12,33 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 
-from tests.systemd.conftest import APPLY_STEPS, UnitFiles
+from tests.systemd.conftest import APPLY_STEPS
 from tests.systemd.placement_world import (
     ALPHA_MIB,
     BETA_MIB,
     FAST,
     GUARD_S,
     World,
-    build_world,
-    close_world,
     step_names,
 )
-from uapplace.controller.ports import VictimRef
+from tests.worlds.steps import UNLOAD_STEPS
 from uapplace.core.errors import Busy, Drifted
 from uapplace.files.timeouts import Timeouts
 from uapplace.io import engines
-from uapplace.io.units import UnitManager
-from uapplace.sim.gpu import SimGpu, sim_uuid
+from uapplace.sim.gpu import sim_uuid
 
 pytestmark = pytest.mark.systemd
 
-ALPHA_VICTIM = [VictimRef("alpha", "a1")]
+ALPHA_VICTIM = ["alpha/a1"]
 
 
 @pytest.fixture
 def world(alpha_world: World) -> World:
-    """The tier's placement machine, ``alpha`` hot (conftest; ``world_options`` shapes it)."""
+    """``alpha`` hot, ``beta`` installed: every apply here displaces ``alpha`` (conftest's
+    ``alpha_world``; ``world_options`` shapes it)."""
     return alpha_world
 
 
@@ -172,39 +169,24 @@ async def test_a_failed_new_backend_is_rolled_back_and_alpha_is_healthy_again(
     assert world.controller.admission.get(entry.id) is not None
 
 
-async def test_an_orphan_holding_vram_is_named_and_the_swap_rolled_back(
-    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
-) -> None:
-    pidfile = tmp_path / "orphan.pid"
-    world = await build_world(
-        tmp_path,
-        units,
-        unit_files,
-        sim_gpu,
-        alpha_args=["--orphan", "--orphan-pidfile", str(pidfile), "--orphan-lifetime", "60"],
-        alpha_service="KillMode=process",
-    )
-    try:
-        async with asyncio.timeout(GUARD_S):
-            await world.start_alpha()
-            await world.events.until(pidfile.exists)
-        orphan = int(pidfile.read_text(encoding="ascii"))
-        entry = await world.park("beta")
+@pytest.mark.parametrize("world_options", [{"orphan": True}], indirect=True)
+async def test_an_orphan_holding_vram_is_named_and_the_swap_rolled_back(world: World) -> None:
+    await world.events.until(world.orphan_pidfile.exists)
+    orphan = world.orphan_pid()
+    entry = await world.park("beta")
 
-        async with asyncio.timeout(GUARD_S):
-            result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
+    async with asyncio.timeout(GUARD_S):
+        result = await world.controller.enforcement.apply(entry.id, 1, ALPHA_VICTIM)
 
-        assert result["ok"] is False and result["rolledBack"] is True, result
-        verify = next(s for s in result["steps"] if s["name"] == "verify-free")
-        assert verify["ok"] is False
-        assert f"pid {orphan}" in verify["detail"]
-        assert "not an expected resident" in verify["detail"]
-        assert f"{ALPHA_MIB:,} MiB" in verify["detail"]
-        assert "start" not in step_names(result)  # beta was never started
-        assert step_names(result)[-3:] == ["rollback-start", "rollback-verify", "rollback-clear"]
-        await assert_alpha_back(world)
-    finally:
-        await close_world(world)
+    assert result["ok"] is False and result["rolledBack"] is True, result
+    verify = next(s for s in result["steps"] if s["name"] == "verify-free")
+    assert verify["ok"] is False
+    assert f"pid {orphan}" in verify["detail"]
+    assert "not an expected resident" in verify["detail"]
+    assert f"{ALPHA_MIB:,} MiB" in verify["detail"]
+    assert "start" not in step_names(result)  # beta was never started
+    assert step_names(result)[-3:] == ["rollback-start", "rollback-verify", "rollback-clear"]
+    await assert_alpha_back(world)
 
 
 @pytest.mark.parametrize(
@@ -329,7 +311,7 @@ async def test_a_changed_victim_set_is_refused_before_anything_is_touched(world:
     with pytest.raises(
         Drifted, match=r"victim set changed: approved \[gamma/g1\], now \[alpha/a1\]"
     ):
-        await world.controller.enforcement.apply(entry.id, 1, [VictimRef("gamma", "g1")])
+        await world.controller.enforcement.apply(entry.id, 1, ["gamma/g1"])
 
     assert [(s[1], s[2]) for s in world.events.steps] == [("revalidate", False)]
     assert world.state_of("alpha") == "hot"
@@ -342,16 +324,7 @@ async def test_unload_drains_stops_and_frees_the_device(world: World) -> None:
         result = await world.controller.enforcement.unload("alpha", ["alpha/a1"])
 
     assert result["ok"] is True, result
-    assert step_names(result) == [
-        "revalidate",
-        "preflight",
-        "mark-draining",
-        "drain",
-        "stop",
-        "verify-free",
-        "refresh-proxy",
-        "resolve",
-    ]
+    assert step_names(result) == UNLOAD_STEPS
     assert world.resident("alpha") is None
     assert allocations(world) == []
     assert await unit_state(world, world.alpha.name) == "inactive"

@@ -1,35 +1,27 @@
-"""``measure`` against a running fake engine under a real unit (spec §4.1.1)."""
+"""``measure`` against a running fake engine under a real unit (docs/placement-rules.md §4.1.1)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
-from tests.systemd.conftest import UnitFiles
-from tests.systemd.placement_world import ALPHA_MIB, GUARD_S, World, build_world, close_world
+from tests.systemd.placement_world import ALPHA_MIB, GUARD_S, World
 from uapplace.files.registry import load_registry
 from uapplace.io.units import UnitManager
 from uapplace.measure.measurer import Measurer
 from uapplace.measure.reading import MeasurementRefused
-from uapplace.sim.gpu import SimGpu, sim_uuid
+from uapplace.sim.gpu import sim_uuid
 
 pytestmark = pytest.mark.systemd
 
 
 @pytest.fixture
-async def world(
-    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
-) -> AsyncIterator[World]:
-    built = await build_world(tmp_path, units, unit_files, sim_gpu)
-    try:
-        yield built
-    finally:
-        await close_world(built)
+def world(built_world: World) -> World:
+    """The tier's placement machine, nothing started (conftest; ``world_options`` shapes it)."""
+    return built_world
 
 
 def local_text(world: World) -> str:
@@ -117,32 +109,21 @@ async def test_measure_refuses_a_reserve_larger_than_the_device(world: World) ->
     assert local_text(world) == before
 
 
+@pytest.mark.parametrize("world_options", [{"orphan": True}], indirect=True)
 async def test_measure_refuses_a_reading_that_includes_a_leftover_allocation(
-    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
+    world: World, units: UnitManager
 ) -> None:
-    pidfile = tmp_path / "orphan.pid"
-    world = await build_world(
-        tmp_path,
-        units,
-        unit_files,
-        sim_gpu,
-        alpha_args=["--orphan", "--orphan-pidfile", str(pidfile), "--orphan-lifetime", "60"],
-        alpha_service="KillMode=process",
-    )
-    try:
-        async with asyncio.timeout(GUARD_S):
-            await world.start_alpha()
-            await world.events.until(pidfile.exists)
-            orphan = int(pidfile.read_text(encoding="ascii"))
-            # Restart: the first run's orphan stays in the cgroup, holding its memory.
-            assert (await units.stop_unit(world.alpha.name, GUARD_S)).ok
-            assert (await units.start_unit(world.alpha.name, GUARD_S)).ok
-            await world.events.until(lambda: world.state_of("alpha") == "hot")
-        assert orphan in await units.pids(world.alpha.name)
+    async with asyncio.timeout(GUARD_S):
+        await world.start_alpha()
+        await world.events.until(world.orphan_pidfile.exists)
+        orphan = world.orphan_pid()
+        # Restart: the first run's orphan stays in the cgroup, holding its memory.
+        assert (await units.stop_unit(world.alpha.name, GUARD_S)).ok
+        assert (await units.start_unit(world.alpha.name, GUARD_S)).ok
+        await world.events.until(lambda: world.state_of("alpha") == "hot")
+    assert orphan in await units.pids(world.alpha.name)
 
-        before = local_text(world)
-        with pytest.raises(MeasurementRefused, match=f"pid {orphan} .* predate its main process"):
-            await measurer(world).measure("alpha", "a1")
-        assert local_text(world) == before
-    finally:
-        await close_world(world)
+    before = local_text(world)
+    with pytest.raises(MeasurementRefused, match=f"pid {orphan} .* predate its main process"):
+        await measurer(world).measure("alpha", "a1")
+    assert local_text(world) == before

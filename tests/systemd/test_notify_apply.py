@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,14 +30,17 @@ import pytest
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
-from tests.bus.conftest import DaemonProcess, make_env, start_daemon
+from tests.bus.conftest import DaemonProcess, UapEnv, start_daemon
 from tests.bus.dbusmock_fixtures import MockService, spawn_template
 from tests.systemd.conftest import APPLY_STEPS, EngineUnit, UnitFiles
+from tests.worlds import polling
+from tests.worlds.registries import unit_registry
 from uapplace.bus.client import PlacementClient
+from uapplace.bus.util import add_match
 from uapplace.files.paths import INTERFACE
 from uapplace.io.units import UnitManager
 from uapplace.sim import proxy as sim_proxy
-from uapplace.sim.gpu import SimGpu, sim_uuid
+from uapplace.sim.gpu import SimGpu
 from uapplace.sim.usermanager import ContainedUserManager
 
 pytestmark = pytest.mark.systemd
@@ -48,7 +50,6 @@ GUARD_S = 30.0
 T = TypeVar("T")
 
 MIB = {"alpha": 10000, "beta": 17000, "gamma": 8000}
-CONFIG = {"alpha": "a1", "beta": "b1", "gamma": "g1"}
 TIMEOUTS = {
     "drain_s": 2.0,
     "stop_s": 15.0,
@@ -88,34 +89,18 @@ class Machine:
     extra_clients: list[PlacementClient] = field(default_factory=list)
 
     async def until(self, what: str, check: Callable[[], T | None]) -> T:
-        """Poll ``check`` until it returns something other than ``None``/``False``."""
-        try:
-            async with asyncio.timeout(GUARD_S):
-                while True:
-                    value = check()
-                    if value is not None and value is not False:
-                        return value
-                    await asyncio.sleep(0.05)
-        except TimeoutError:
-            raise AssertionError(
-                f"gave up waiting for {what}; uapplaced log:\n{self.daemon.log()[-4000:]}"
-            ) from None
+        """Poll ``check`` until it returns something truthy; fail with the daemon's log."""
+        return await polling.until_sync(what, check, self.daemon.log, guard_s=GUARD_S)
 
     async def resident_states(self) -> dict[str, str]:
         state = await self.client.get_state()
         return {r["model"]: r["state"] for r in state["residents"]}
 
     async def until_hot(self, model: str) -> None:
-        try:
-            async with asyncio.timeout(GUARD_S):
-                while True:
-                    if (await self.resident_states()).get(model) == "hot":
-                        return
-                    await asyncio.sleep(0.05)
-        except TimeoutError:
-            raise AssertionError(
-                f"{model} never became a hot resident; log:\n{self.daemon.log()[-4000:]}"
-            ) from None
+        async def hot() -> bool:
+            return (await self.resident_states()).get(model) == "hot"
+
+        await polling.until(f"{model} to be a hot resident", hot, self.daemon.log, guard_s=GUARD_S)
 
     async def active(self, model: str) -> str:
         return (await self.units.state(self.engines[model].name)).active_state
@@ -154,71 +139,21 @@ def apply_key(placement_id: str) -> str:
     return f"apply:{placement_id}:1"
 
 
-def registry(engines: dict[str, EngineUnit]) -> dict[str, Any]:
-    host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
-    return {
-        "version": 1,
-        "devices": {
-            "gpu0": {
-                "kind": "gpu",
-                "name": "Simulated GPU 0",
-                "total_mib": 24576,
-                "reserved_mib": 0,
-                "uuid": sim_uuid(0),
-            },
-            "cpu0": {"kind": "cpu", "total_mib": host_mib, "reserved_mib": 256},
-        },
-        "models": {
-            model: {
-                "display": model.title(),
-                "engine": "llama.cpp",
-                "unit": unit.name,
-                "endpoint": unit.endpoint,
-                "configs": {
-                    CONFIG[model]: {
-                        "resident_gpu_mib": MIB[model],
-                        "host_rss_mib": 64,
-                        "kv_resident_cells": 32768,
-                        "context_pool_cells": 32768,
-                        "measured_at": "2026-10-08T14:02:00Z",
-                        "measured_on": "gpu0",
-                    }
-                },
-            }
-            for model, unit in engines.items()
-        },
-    }
-
-
 async def connect_signals(address: str) -> tuple[MessageBus, Signals]:
     bus = await MessageBus(bus_address=address).connect()
     signals = Signals()
     bus.add_message_handler(signals.on_message)
-    reply = await bus.call(
-        Message(
-            destination="org.freedesktop.DBus",
-            path="/org/freedesktop/DBus",
-            interface="org.freedesktop.DBus",
-            member="AddMatch",
-            signature="s",
-            body=[f"type='signal',interface='{INTERFACE}'"],
-        )
-    )
-    assert reply is not None and reply.message_type is MessageType.METHOD_RETURN
+    await add_match(bus, f"type='signal',interface='{INTERFACE}'")
     return bus, signals
 
 
 @pytest.fixture
 async def machine(
-    user_manager: ContainedUserManager,
-    units: UnitManager,
-    unit_files: UnitFiles,
-    tmp_path: Path,
+    uap: UapEnv, units: UnitManager, unit_files: UnitFiles, tmp_path: Path
 ) -> AsyncIterator[Machine]:
     # The proxy binds first, so the free ports picked for the engines cannot be its.
     runner, proxy_url = await sim_proxy.start(sim_proxy.FakeProxy())
-    address = user_manager.bus_address
-    uap = make_env(tmp_path / "uap", address)
+    address = uap.bus_address
     sim = SimGpu(uap.root / "sim-gpu.json")
     engines = {
         model: unit_files.engine(
@@ -227,7 +162,7 @@ async def machine(
         for model in MIB
     }
     await units.reload()
-    uap.write_registry(registry(engines))
+    uap.write_registry(unit_registry(engines, MIB))
     (uap.home / "enforcement-timeouts.json").write_text(json.dumps(TIMEOUTS), encoding="utf-8")
     uap.env["UAP_PROXY_URL"] = proxy_url
     started = await units.start_unit(engines["alpha"].name, GUARD_S)

@@ -12,33 +12,19 @@ ended, the entry must show the options a fresh ``Preview`` shows: stop ``beta``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
 
 from tests.systemd import test_notify_apply as world
-from tests.systemd.test_notify_apply import GUARD_S, Machine
+from tests.systemd.test_notify_apply import Machine
+from tests.worlds import polling
 
 pytestmark = pytest.mark.systemd
 
 machine = world.machine
 """The shared machine fixture (alpha resident, beta and gamma installed)."""
-
-
-async def until(what: str, check: Callable[[], Awaitable[Any]], log: Callable[[], str]) -> Any:
-    """Poll the async ``check`` until it returns something truthy (``GUARD_S`` is a
-    hang guard, not an assertion about speed)."""
-    try:
-        async with asyncio.timeout(GUARD_S):
-            while True:
-                value = await check()
-                if value:
-                    return value
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError(f"gave up waiting for {what}; log:\n{log()[-4000:]}") from None
 
 
 async def entry(machine: Machine, placement_id: str) -> dict[str, Any]:
@@ -62,7 +48,7 @@ async def test_a_park_made_during_a_swap_shows_the_previewed_options_after_it(
 ) -> None:
     log = machine.daemon.log
     swap_for = await machine.park("beta", "swap-asker")
-    options = await until("beta's options", lambda: _options(machine, swap_for), log)
+    options = await polling.until("beta's options", lambda: _options(machine, swap_for), log)
     assert options[0]["signature"] == ["alpha/a1"]
 
     # A request in flight on alpha holds the swap in its drain until we end it, so
@@ -82,7 +68,7 @@ async def test_a_park_made_during_a_swap_shows_the_previewed_options_after_it(
     assert await machine.active("beta") == "active"
     assert await machine.active("alpha") == "inactive"
 
-    replanned = await until(
+    replanned = await polling.until(
         "the mid-swap park's options", lambda: _options(machine, parked_mid_swap), log
     )
     preview = await machine.client.preview("alpha", 0)

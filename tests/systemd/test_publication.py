@@ -1,4 +1,4 @@
-"""Publication and reconcile on real units (DESIGN.md §5a invariants 2 and 5, issue 10 e).
+"""Publication and reconcile on real units (docs/invariants.md, invariants 2 and 5; issue 10 e).
 
 Two layers:
 
@@ -21,23 +21,22 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
+from tests.bus.conftest import DaemonProcess, UapEnv, start_daemon
 from tests.systemd.conftest import EngineUnit, UnitFiles
 from tests.systemd.placement_world import GUARD_S, World, build_world, close_world
+from tests.worlds import polling
+from tests.worlds.registries import unit_registry
 from uapplace.bus.client import PlacementClient
 from uapplace.core.alerts import AlertKind
 from uapplace.io.units import UnitManager
-from uapplace.sim.gpu import SimGpu, sim_uuid
-from uapplace.sim.usermanager import ContainedUserManager
+from uapplace.sim.gpu import SimGpu
 
 pytestmark = pytest.mark.systemd
-
-T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- in-process
@@ -128,17 +127,8 @@ class Machine:
         return self.daemons[-1]
 
     async def until(self, what: str, check: Callable[[], Any]) -> Any:
-        try:
-            async with asyncio.timeout(GUARD_S):
-                while True:
-                    value = await check()
-                    if value:
-                        return value
-                    await asyncio.sleep(0.05)
-        except TimeoutError:
-            raise AssertionError(
-                f"gave up waiting for {what}; uapplaced log:\n{self.daemon.log()[-4000:]}"
-            ) from None
+        """Await ``check()`` until it returns something truthy; fail with the daemon's log."""
+        return await polling.until(what, check, lambda: self.daemon.log(), guard_s=GUARD_S)
 
     async def state(self) -> dict[str, Any]:
         state: dict[str, Any] = await self.client.get_state()
@@ -161,53 +151,9 @@ class Machine:
 MIB = {"alpha": 8000, "beta": 6000, "gamma": 6000}
 
 
-def registry(engines: dict[str, EngineUnit]) -> dict[str, Any]:
-    host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
-    return {
-        "version": 1,
-        "devices": {
-            "gpu0": {
-                "kind": "gpu",
-                "name": "Simulated GPU 0",
-                "total_mib": 24576,
-                "reserved_mib": 0,
-                "uuid": sim_uuid(0),
-            },
-            "cpu0": {"kind": "cpu", "total_mib": host_mib, "reserved_mib": 256},
-        },
-        "models": {
-            model: {
-                "display": model.title(),
-                "engine": "llama.cpp",
-                "unit": unit.name,
-                "endpoint": unit.endpoint,
-                "advertises": [f"{model}-latest"],
-                "configs": {
-                    f"{model[0]}1": {
-                        "resident_gpu_mib": MIB[model],
-                        "host_rss_mib": 64,
-                        "kv_resident_cells": 32768,
-                        "context_pool_cells": 32768,
-                        "measured_at": "2026-10-08T14:02:00Z",
-                        "measured_on": "gpu0",
-                    }
-                },
-            }
-            for model, unit in engines.items()
-        },
-    }
-
-
 @pytest.fixture
-async def machine(
-    user_manager: ContainedUserManager,
-    units: UnitManager,
-    unit_files: UnitFiles,
-    tmp_path: Path,
-) -> AsyncIterator[Machine]:
+async def machine(uap: UapEnv, units: UnitManager, unit_files: UnitFiles) -> AsyncIterator[Machine]:
     """alpha serves its id; beta and gamma serve ``wrong-<id>``. beta runs before the daemon."""
-    address = user_manager.bus_address
-    uap = make_env(tmp_path / "uap", address)
     sim = SimGpu(uap.root / "sim-gpu.json")
     wrong = ["--wrong-id"]
     engines = {
@@ -221,7 +167,7 @@ async def machine(
         for model in MIB
     }
     await units.reload()
-    uap.write_registry(registry(engines))
+    uap.write_registry(unit_registry(engines, MIB, advertise=True))
     for model in ("alpha", "beta"):
         started = await units.start_unit(engines[model].name, GUARD_S)
         assert started.ok, started
@@ -229,7 +175,7 @@ async def machine(
     client: PlacementClient | None = None
     try:
         daemons.append(await asyncio.to_thread(start_daemon, uap))
-        client = await PlacementClient.connect(address)
+        client = await PlacementClient.connect(uap.bus_address)
         yield Machine(uap, client, units, engines, daemons)
     finally:
         if client is not None:
@@ -284,7 +230,7 @@ async def test_a_restarted_daemon_parks_warming_until_its_own_verify_up(
         rows = machine.uap.read_ledger().get("residents", [])
         return any(r["model"] == "alpha" and r["state"] == "hot" for r in rows)
 
-    await machine.until("the ledger to record alpha hot", _sync(ledger_says_hot))
+    await polling.until_sync("the ledger to record alpha hot", ledger_says_hot, machine.daemon.log)
     first = machine.daemon
     first.process.kill()  # SIGKILL: the ledger still says hot
     await asyncio.to_thread(first.process.wait)
@@ -312,75 +258,47 @@ async def _is(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
 
 
-def _sync(check: Callable[[], T]) -> Callable[[], Any]:
-    async def wrapped() -> T:
-        return check()
+@pytest.mark.parametrize("world_options", [{"orphan": True}], indirect=True)
+async def test_reconcile_reports_memory_no_resident_unit_holds(built_world: World) -> None:
+    """An orphan keeps alpha's VRAM after its unit stopped: the probe wins, and says so.
+    (The world ends the orphan when it closes.)"""
+    world = built_world
+    await world.start_alpha()
+    stopped = await world.units.stop_unit(world.alpha.name, GUARD_S)
+    assert stopped.ok, stopped
+    await world.events.until(lambda: world.resident("alpha") is None)
+    orphan = world.orphan_pid()
 
-    return wrapped
+    await world.sync.sync_all()
 
-
-async def test_reconcile_reports_memory_no_resident_unit_holds(
-    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
-) -> None:
-    """An orphan keeps alpha's VRAM after its unit stopped: the probe wins, and says so."""
-    pidfile = tmp_path / "orphan.pid"
-    world = await build_world(
-        tmp_path,
-        units,
-        unit_files,
-        sim_gpu,
-        alpha_args=["--orphan", "--orphan-pidfile", str(pidfile), "--orphan-lifetime", "60"],
-        alpha_service="KillMode=process",
-    )
-    try:
-        await world.start_alpha()
-        stopped = await world.units.stop_unit(world.alpha.name, GUARD_S)
-        assert stopped.ok, stopped
-        await world.events.until(lambda: world.resident("alpha") is None)
-        orphan = int(pidfile.read_text(encoding="ascii"))
-
-        await world.sync.sync_all()
-
-        alert = next(a for a in world.events.alerts if a.kind is AlertKind.PROBE_MISMATCH)
-        assert alert.subject == "gpu0"
-        assert alert.detail["pids"] == [orphan]
-        assert f"pid {orphan}" in alert.message and "14,000 MiB" in alert.message
-    finally:
-        await close_world(world)
-        if pidfile.exists():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pidfile.read_text(encoding="ascii")), signal.SIGKILL)
+    alert = next(a for a in world.events.alerts if a.kind is AlertKind.PROBE_MISMATCH)
+    assert alert.subject == "gpu0"
+    assert alert.detail["pids"] == [orphan]
+    assert f"pid {orphan}" in alert.message and "14,000 MiB" in alert.message
 
 
-async def test_an_engine_answering_503_is_never_forwarded_to(
-    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
-) -> None:
-    world = await build_world(tmp_path, units, unit_files, sim_gpu, alpha_args=["--never-healthy"])
-    try:
-        started = await world.units.start_unit(world.alpha.name, GUARD_S)
-        assert started.ok, started
-        await world.events.until(lambda: world.state_of("alpha") == "warming")
+@pytest.mark.parametrize("world_options", [{"alpha_args": ["--never-healthy"]}], indirect=True)
+async def test_an_engine_answering_503_is_never_forwarded_to(built_world: World) -> None:
+    world = built_world
+    started = await world.units.start_unit(world.alpha.name, GUARD_S)
+    assert started.ok, started
+    await world.events.until(lambda: world.state_of("alpha") == "warming")
 
-        async def answers_503() -> bool:
-            with contextlib.suppress(OSError, TimeoutError):
-                async with (
-                    aiohttp.ClientSession() as http,
-                    http.get(f"{world.alpha.endpoint}/health") as reply,
-                ):
-                    return reply.status == 503
-            return False
+    async def answers_503() -> bool:
+        with contextlib.suppress(OSError, TimeoutError):
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(f"{world.alpha.endpoint}/health") as reply,
+            ):
+                return reply.status == 503
+        return False
 
-        async with asyncio.timeout(GUARD_S):
-            while True:  # polls an HTTP server nothing signals about
-                if await answers_503():
-                    break
-                await asyncio.sleep(0.05)
-        for requested in ("alpha", "alpha-latest", "a1"):
-            decision = world.controller.admit(requested, "client-1", "", 0)
-            assert (decision.decision, decision.reason) == ("park", "warming"), requested
-        assert world.state_of("alpha") == "warming"
-    finally:
-        await close_world(world)
+    # An HTTP server nothing signals about: polled.
+    await polling.until("alpha's engine to answer /health with 503", answers_503)
+    for requested in ("alpha", "alpha-latest", "a1"):
+        decision = world.controller.admit(requested, "client-1", "", 0)
+        assert (decision.decision, decision.reason) == ("park", "warming"), requested
+    assert world.state_of("alpha") == "warming"
 
 
 async def test_a_victim_the_rollback_could_not_verify_stays_a_warming_resident(
@@ -389,7 +307,7 @@ async def test_a_victim_the_rollback_could_not_verify_stays_a_warming_resident(
     """beta serves the wrong id, so the swap rolls back; alpha's unit now starts an engine
     that never turns healthy, so the rollback is incomplete. alpha's unit runs: it is a
     ``warming`` resident (counted by the planner, never forwarded to), not a unit running
-    behind the residents' back (DESIGN §5a invariant 5)."""
+    behind the residents' back (docs/invariants.md, invariant 5)."""
     await world.start_alpha()
     text = world.alpha.path.read_text(encoding="utf-8")
     world.alpha.path.write_text(

@@ -1,4 +1,4 @@
-"""Admit through the shim keeps answering while an enforcement runs (CONTRACT §1).
+"""Admit through the shim keeps answering while an enforcement runs (docs/http-contract.md §1).
 
 The proxy gives the controller 2.0 s per admit, then falls back to read-only
 admission; an enforcement takes seconds to minutes. So admits sent while a swap
@@ -30,7 +30,7 @@ from uapplace.sim.usermanager import ContainedUserManager
 pytestmark = pytest.mark.systemd
 
 PROXY_DEADLINE_S = 2.0
-"""CONTRACT §1: the proxy waits 2.0 s for an admit answer."""
+"""docs/http-contract.md §1: the proxy waits 2.0 s for an admit answer."""
 ROUND_PAUSE_S = 0.1
 MODELS = ("alpha", "alpha-latest", "beta", "beta-latest", "no-such-model")
 

@@ -5,31 +5,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-from tests.systemd.conftest import UnitFiles
-from tests.systemd.placement_world import GUARD_S, World, build_world, close_world
+from tests.systemd.placement_world import GUARD_S, World
 from uapplace.core.model import ResidentState
-from uapplace.io.units import UnitManager
-from uapplace.sim.gpu import SimGpu
 from uapplace.sim.usermanager import ContainedUserManager
 
 pytestmark = pytest.mark.systemd
 
 
 @pytest.fixture
-async def world(
-    tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
-) -> AsyncIterator[World]:
-    built = await build_world(tmp_path, units, unit_files, sim_gpu)
-    try:
-        yield built
-    finally:
-        await close_world(built)
+def world(built_world: World) -> World:
+    """The tier's placement machine, nothing started (conftest)."""
+    return built_world
 
 
 async def systemctl(user_manager: ContainedUserManager, *args: str) -> None:

@@ -1,10 +1,10 @@
 """The world a controller opens in without a bus: registry files, a simulated GPU, paths.
 
-Shared by ``test_controller.py`` and ``test_live_pending.py`` (imported as
-``from controller_fixtures import ...``: tests/unit is no package, like
-``enforce_fakes``). Each of them puts its own models (from
+Shared by ``test_controller.py``, ``test_live_pending.py`` and ``test_publication.py``
+(imported as ``from controller_fixtures import ...``: tests/unit is no package, like
+``enforce_fakes``). Each of them puts its own models (mostly from
 :mod:`tests.worlds.seed_docs`, which the bus tier and the benchmarks share) into
-:func:`registry` and opens it through :func:`registry_paths` in its ``paths`` fixture.
+:func:`registry` and opens it through :func:`registry_paths`.
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tests.worlds import builders
+from tests.worlds.builders import MEASURED_AT, cpu, gpu
 from uapplace.core.alerts import Alert, AlertBoard, AlertKind, Severity
 from uapplace.core.model import (
     Config,
-    ConfigStatus,
-    Device,
     DeviceKind,
     DeviceReading,
     Holder,
@@ -51,9 +51,8 @@ from uapplace.files.journal import Journal
 from uapplace.io.engines import EngineError
 from uapplace.io.units import JobOutcome, UnitError, UnitState
 
-MEASURED_AT = "2026-10-08T14:02:00Z"
-GPU = Device("gpu0", DeviceKind.GPU, 24576, 0)
-HOST = Device("cpu0", DeviceKind.CPU, 65536, 1024)
+GPU = gpu(reserved=0)
+HOST = cpu(65536, 1024)
 
 
 # --------------------------------------------------------------------------- registry
@@ -61,17 +60,7 @@ HOST = Device("cpu0", DeviceKind.CPU, 65536, 1024)
 
 def measured(key: str, mib: float, **kw: Any) -> Config:
     """A config measured on gpu0 for this machine (what preflight accepts)."""
-    values: dict[str, Any] = {
-        "key": key,
-        "status": ConfigStatus.MEASURED,
-        "resident_gpu_mib": mib,
-        "host_rss_mib": 64.0,
-        "kv_resident_cells": 32768,
-        "measured_at": MEASURED_AT,
-        "measured_on": "gpu0",
-    }
-    values.update(kw)
-    return Config(**values)
+    return builders.measured(key, mib, 64.0, **kw)
 
 
 def endpoint_of(model: str) -> str:
@@ -166,9 +155,6 @@ class ListHost:
     def residents(self) -> Sequence[Resident]:
         return tuple(self.live)
 
-    def pending(self, placement_id: str) -> PendingEntry | None:
-        return self.entries.get(placement_id)
-
     async def plan_input(self) -> PlanInput:
         if self.gate is not None:
             await self.gate.wait()
@@ -209,6 +195,9 @@ class ListHost:
 
     def emit_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
         self.steps.append((run_id, step, ok, detail))
+
+    def run_finished(self, run_id: str, verb: str, outcome: str) -> None:
+        """No counters here."""
 
     def _note_alert(self, alert: Alert) -> None:
         self.alerts.append((alert.kind, alert.severity, alert.subject, alert.message))
@@ -398,7 +387,7 @@ class World:
     engines: FakeEngines
     leaves_orphan: dict[str, ProcessUsage] = field(default_factory=dict)
     """Unit → a process that keeps holding gpu0 memory once the unit is down (the
-    orphan of spec §4.6 step 4: it belongs to no unit, verify-free names it)."""
+    orphan of docs/placement-rules.md §4.6 step 4: no unit owns it, verify-free names it)."""
 
     def readings(self) -> dict[str, DeviceReading]:
         used = 0.0

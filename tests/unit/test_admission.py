@@ -1,4 +1,4 @@
-"""The admit decision table, pending dedupe and ids (spec §4.3, CONTRACT.md §1)."""
+"""The admit decision table, pending dedupe and ids (docs/placement-rules.md §4.3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The auto-resolution policy file and the auto runner (spec §4.4.1).
+"""The auto-resolution policy file and the auto runner (docs/placement-rules.md §4.4.1).
 
 The runner is driven against the real :class:`Admission` and a real policy file;
 the enforcer is an in-process fake (``FakeEnforcer``) whose runs succeed, fail,

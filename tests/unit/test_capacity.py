@@ -188,7 +188,7 @@ def test_shipped_files_validate_with_only_the_documented_floor_warning(tmp_path:
 
 
 def test_shipped_figures_without_a_local_file_are_descriptive_warnings() -> None:
-    """Spec §4.1: a machine with no local file has no measured footprints."""
+    """docs/placement-rules.md §4.1: a machine with no local file has no measured footprints."""
     loaded = load_registry(CONFIG_DIR / "model-registry.json", None)
     findings = validate(loaded, shipped_policy())
     assert not has_errors(findings)

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.worlds import builders
+from tests.worlds.builders import MEASURED_AT, gpu
 from uapplace.core.conflicts import (
     Placement,
     candidate_devices,
@@ -43,7 +46,6 @@ from uapplace.core.model import (
 )
 from uapplace.core.planner import PlanInput, plan
 
-MEASURED_AT = "2026-10-08T14:02:00Z"
 HOST_MIB = 1_000_000
 """Host RAM is never what binds here: the graph is about GPU MiB only."""
 
@@ -51,25 +53,12 @@ HOST_MIB = 1_000_000
 # --------------------------------------------------------------------------- builders
 
 
-def gpu(key: str, total: int, reserved: int) -> Device:
-    return Device(key, DeviceKind.GPU, total, reserved)
-
-
 def host() -> Device:
     return Device("cpu0", DeviceKind.CPU, HOST_MIB, 0)
 
 
-def measured(key: str, mib: float, on: str, unit: str | None = None, **extra: object) -> Config:
-    fields: dict[str, object] = {
-        "resident_gpu_mib": mib,
-        "host_rss_mib": 100.0,
-        "kv_resident_cells": 32_768,
-        "measured_at": MEASURED_AT,
-        "measured_on": on,
-        "unit": unit,
-        **extra,
-    }
-    return Config(key, ConfigStatus.MEASURED, **fields)  # type: ignore[arg-type]
+def measured(key: str, mib: float, on: str, unit: str | None = None, **extra: Any) -> Config:
+    return builders.measured(key, mib, 100.0, on, unit=unit, **extra)
 
 
 def model(key: str, unit: str, configs: list[Config], affinity: tuple[str, ...] = ()) -> Model:

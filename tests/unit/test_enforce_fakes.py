@@ -1,4 +1,4 @@
-"""The §4.6 sequence over fakes: every success path and every rollback branch.
+"""The docs/placement-rules.md §4.6 sequence over fakes: every success path and rollback branch.
 
 A real :class:`~uapplace.enforce.enforcer.Enforcer` (real planner, real journal file) runs
 against :mod:`enforce_fakes`: units in memory with scripted job outcomes, engines

@@ -1,4 +1,4 @@
-"""gate.py: the proxy side of CONTRACT.md §1/§2, against a real aiohttp controller on 127.0.0.1."""
+"""gate.py: the proxy side of docs/http-contract.md §1, §2, against a real loopback controller."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The idle-resident unload sweep (spec §4.4.2).
+"""The idle-resident unload sweep (docs/placement-rules.md §4.4.2).
 
 Each rule is driven with an injected clock (``tick(now)``), a real policy file,
 the real :class:`Admission` for pending entries, and a fake unloader that records

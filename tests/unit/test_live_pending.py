@@ -232,7 +232,7 @@ async def test_an_entry_parked_during_a_swap_gets_the_options_a_preview_shows_af
     controller: Controller,
 ) -> None:
     controller.upsert_resident(resident("alpha", ResidentState.HOT))
-    controller.set_resident_state("alpha", "alpha-q4", "gpu0", ResidentState.DRAINING)
+    controller.upsert_resident(resident("alpha", ResidentState.DRAINING))
     placement_id = controller.admit("alpha", "asker", "", 0).placement_id
     await settle(controller)
     # Planned mid-swap: alpha is still resident (draining), so nothing can be offered.
@@ -253,7 +253,7 @@ async def test_a_park_planned_across_the_end_of_a_swap_is_replanned_after_it(
     re-plan runs, and only then does the park's (stale) plan land: a further
     re-plan must follow, or "no options" would stand while a preview shows one."""
     controller.upsert_resident(resident("alpha", ResidentState.HOT))
-    controller.set_resident_state("alpha", "alpha-q4", "gpu0", ResidentState.DRAINING)
+    controller.upsert_resident(resident("alpha", ResidentState.DRAINING))
     await replanner_idle(controller)  # so the held-back plan is the park's own
     held = HeldBackPlanner()
     monkeypatch.setattr(controller_module, "plan", held)

@@ -1,6 +1,6 @@
 """Executable pause in the planner (issue 12): pause vs stop options, the host-RAM gate
-of a level-1 pause, ranking by time to serve again, the §4.5 consequence table, and
-``wake`` for a paused resident of the requested model."""
+of a level-1 pause, ranking by time to serve again, the consequence table of
+docs/placement-rules.md §4.5, and ``wake`` for a paused resident of the requested model."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ from dataclasses import replace
 
 import pytest
 
+from tests.worlds.builders import MEASURED_AT, cpu, gpu, measured
 from uapplace.core.model import (
     PAUSE_SUFFIX,
     Config,
-    ConfigStatus,
-    Device,
     DeviceKind,
     DeviceReading,
     Envelope,
@@ -30,9 +29,8 @@ from uapplace.core.planner import PlanInput, plan
 from uapplace.core.ranking import rank_options
 from uapplace.core.victims import CONSEQUENCES, consequence, pause_consequence
 
-MEASURED_AT = "2026-10-08T14:02:00Z"
-CARD = Device("gpu0", DeviceKind.GPU, 24_576, 2_048)
-HOST = Device("cpu0", DeviceKind.CPU, 126_944, 8_192)
+CARD = gpu()
+HOST = cpu()
 
 
 def envelope(cold: float = 20.0, wake: float | None = 1.5, freed: float | None = None) -> Envelope:
@@ -56,18 +54,7 @@ def config(
     lever: PauseLever | None = None,
     env: Envelope | None = None,
 ) -> Config:
-    return Config(
-        key,
-        ConfigStatus.MEASURED,
-        resident_gpu_mib=gpu_mib,
-        host_rss_mib=host_mib,
-        kv_resident_cells=32_768,
-        measured_at=MEASURED_AT,
-        measured_on="gpu0",
-        unit=f"unit-{key}",
-        pause_lever=lever,
-        envelope=env,
-    )
+    return measured(key, gpu_mib, host_mib, unit=f"unit-{key}", pause_lever=lever, envelope=env)
 
 
 def model(key: str, cfg: Config) -> Model:

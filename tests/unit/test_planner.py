@@ -1,4 +1,7 @@
-"""The planner: options, cost gates, minimal eviction sets, ranking, preview (spec §4.4, §4.5)."""
+"""The planner: options, cost gates, minimal eviction sets, ranking, preview.
+
+docs/placement-rules.md §4.4, §4.5.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from collections.abc import Iterable, Sequence
 
 import pytest
 
+from tests.worlds.builders import MEASURED_AT, cpu, gpu, measured
 from uapplace.core.eviction import EvictionItem, minimal_eviction
 from uapplace.core.model import (
     Config,
@@ -29,41 +33,11 @@ from uapplace.core.model import (
 from uapplace.core.planner import PlanInput, plan, plan_unload
 from uapplace.core.ranking import affinity_match, rank_options
 
-MEASURED_AT = "2026-10-08T14:02:00Z"
 SESSION_CAP_CELLS = 114_688
 
 
 # --------------------------------------------------------------------------- builders
-
-
-def gpu(key: str = "gpu0", total: int = 24_576, reserved: int = 2_048) -> Device:
-    return Device(key, DeviceKind.GPU, total, reserved)
-
-
-def cpu(total: int = 126_944, reserved: int = 8_192) -> Device:
-    return Device("cpu0", DeviceKind.CPU, total, reserved)
-
-
-def measured(
-    key: str,
-    gpu_mib: float,
-    host_mib: float = 1_000.0,
-    on: str | None = "gpu0",
-    kv_resident_cells: int | None = 32_768,
-    kv_mib_per_1k_cells: float | None = None,
-    unit: str | None = None,
-) -> Config:
-    return Config(
-        key,
-        ConfigStatus.MEASURED,
-        resident_gpu_mib=gpu_mib,
-        host_rss_mib=host_mib,
-        kv_resident_cells=kv_resident_cells,
-        kv_mib_per_1k_cells=kv_mib_per_1k_cells,
-        measured_at=MEASURED_AT,
-        measured_on=on,
-        unit=unit,
-    )
+# gpu(), cpu() and measured() are tests/worlds/builders.py's.
 
 
 def unmeasured(key: str) -> Config:
@@ -184,7 +158,7 @@ def kinds(options: Sequence[Option]) -> list[tuple[OptionKind, str, str]]:
     return [(o.kind, o.config, o.device) for o in options]
 
 
-# --------------------------------------------------------------------------- the spec's numbers
+# -------------------------------------------------- the numbers of docs/placement-rules.md §4.4
 
 
 def test_cost_at_the_session_cap_is_the_specs_number() -> None:

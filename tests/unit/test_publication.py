@@ -1,4 +1,4 @@
-"""Publication (DESIGN.md §5a invariant 2): only a verified engine is forwarded to.
+"""Publication (docs/invariants.md, invariant 2): only a verified engine is forwarded to.
 
 The admission rule (only ``hot`` forwards, ``warming`` parks ``warming``), the
 controller's restore (a ledger's ``hot`` comes back ``warming``), the debounced
@@ -9,14 +9,14 @@ the real fake engine served over real HTTP on loopback.
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
+from controller_fixtures import registry, registry_paths
 
 from uapplace.controller.controller import Controller
 from uapplace.core.admission import Admission
@@ -35,11 +35,9 @@ from uapplace.core.model import (
 )
 from uapplace.files.capacity import ServicePolicy
 from uapplace.files.ledger import LedgerDoc
-from uapplace.files.paths import Paths
 from uapplace.publish import verify
 from uapplace.publish.publication import WRONG_ENGINE_FIRST_S, WRONG_ENGINE_MAX_S, verify_until_ok
 from uapplace.sim.engine import EngineOptions, FakeEngine
-from uapplace.sim.gpu import SimGpu, sim_uuid
 
 NOW = 1_800_000_000.0
 A1 = Config(
@@ -117,13 +115,8 @@ def test_a_hot_resident_on_one_device_forwards_while_another_warms() -> None:
 
 # --------------------------------------------------------------------------- controller
 
-CONTROLLER_REGISTRY = {
-    "version": 1,
-    "devices": {
-        "gpu0": {"kind": "gpu", "total_mib": 24576, "reserved_mib": 0, "uuid": sim_uuid(0)},
-        "cpu0": {"kind": "cpu", "total_mib": 65536, "reserved_mib": 1024},
-    },
-    "models": {
+CONTROLLER_REGISTRY = registry(
+    {
         "alpha": {
             "display": "Alpha",
             "engine": "llama.cpp",
@@ -139,27 +132,13 @@ CONTROLLER_REGISTRY = {
                 }
             },
         }
-    },
-}
+    }
+)
 
 
 @pytest.fixture
 def controller(tmp_path: Path) -> Controller:
-    config = tmp_path / "config"
-    config.mkdir()
-    (config / "model-registry.json").write_text(json.dumps(CONTROLLER_REGISTRY))
-    (config / "capacity-policy.json").write_text(json.dumps({"services": []}))
-    SimGpu(tmp_path / "sim.json").create([("sim", 24576)])
-    paths = Paths.from_env(
-        {
-            "HOME": str(tmp_path),
-            "UAP_HOME": str(tmp_path / "home"),
-            "UAPPLACE_CONFIG_DIR": str(config),
-            "UAPPLACE_SIM_GPU": str(tmp_path / "sim.json"),
-            "XDG_RUNTIME_DIR": str(tmp_path / "run"),
-        }
-    )
-    return Controller.open(paths)
+    return Controller.open(registry_paths(tmp_path, CONTROLLER_REGISTRY))
 
 
 async def test_a_restored_hot_resident_parks_warming_until_verified(
@@ -320,6 +299,22 @@ class Host:
             (alert.kind, alert.severity, alert.subject, alert.message, dict(alert.detail))
         )
 
+    async def recheck(
+        self, warming: Resident, sleep: Callable[[float], Awaitable[None]]
+    ) -> Resident | None:
+        """:func:`verify_until_ok` on ``warming`` (unit ``a.service``), polling fast, with
+        ``sleep`` for its pauses."""
+        return await verify_until_ok(
+            self,
+            warming,
+            "a.service",
+            lambda: next(iter(self.list), None),
+            first_poll_s=0.01,
+            max_poll_s=0.02,
+            http_s=2.0,
+            sleep=sleep,
+        )
+
 
 async def test_a_wrong_engine_is_reported_once_and_rechecked_with_backoff(
     engine: Served,
@@ -334,16 +329,7 @@ async def test_a_wrong_engine_is_reported_once_and_rechecked_with_backoff(
         if len(pauses) == 8:  # the operator swaps the engine to the right model
             with_options(engine, wrong_id=False)
 
-    verified = await verify_until_ok(
-        host,
-        warming,
-        "a.service",
-        lambda: next(iter(host.list), None),
-        first_poll_s=0.01,
-        max_poll_s=0.02,
-        http_s=2.0,
-        sleep=sleep,
-    )
+    verified = await host.recheck(warming, sleep)
     assert verified == warming
     assert pauses == [min(WRONG_ENGINE_FIRST_S * 2**i, WRONG_ENGINE_MAX_S) for i in range(8)]
     assert len(host.alerts) == 1
@@ -362,15 +348,6 @@ async def test_the_recheck_ends_when_the_resident_goes(engine: Served) -> None:
     async def sleep(seconds: float) -> None:
         host.list = []  # its unit stopped
 
-    verified = await verify_until_ok(
-        host,
-        warming,
-        "a.service",
-        lambda: next(iter(host.list), None),
-        first_poll_s=0.01,
-        max_poll_s=0.02,
-        http_s=2.0,
-        sleep=sleep,
-    )
+    verified = await host.recheck(warming, sleep)
     assert verified is None
     assert host.alerts == []

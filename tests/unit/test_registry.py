@@ -85,8 +85,8 @@ def test_shipped_registry_loads_with_the_spec_figures() -> None:
     host = registry.host()
     assert host is not None and host.total_mib == 126944
     strata = registry.models["qwen3.8-flash-next"].configs["strata-iq3_s"]
-    # The spec's figures are descriptive in the repo file: they do not count on this
-    # machine (spec §4.1: a machine with no local file has no measured footprints).
+    # Figures in the repo file are descriptive: they do not count on this machine
+    # (docs/placement-rules.md §4.1: with no local file, nothing is measured).
     assert strata.status is ConfigStatus.MEASURED and not strata.is_measured
     assert "measured only in the repo file" in strata.untrusted
     assert (strata.resident_gpu_mib, strata.host_rss_mib) == (21812, 52857)

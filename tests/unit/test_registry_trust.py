@@ -1,4 +1,4 @@
-"""Which measured figures count on this machine (spec §4.1), and the capacity policy that
+"""Which measured figures count on this machine (docs/placement-rules.md §4.1), and the policy that
 stays in force when its file breaks (issue 10).
 
 - Measured figures count only from the machine-local file (``$UAP_HOME/model-registry.json``,
@@ -116,7 +116,7 @@ def with_config(**changes: Any) -> dict[str, Any]:
 
 
 def test_repo_only_measurements_make_every_config_no_measured_config() -> None:
-    """The shipped registry carries the spec's figures; with no local file none counts."""
+    """The shipped registry carries example figures; with no local file none counts."""
     loaded = load_registry(CONFIG_DIR / "model-registry.json", None)
     registry = loaded.registry
     admission = Admission(registry)

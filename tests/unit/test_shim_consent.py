@@ -1,4 +1,4 @@
-"""The shim's operator routes carry the approval signature (CONTRACT.md §4 ``expected_victims``)."""
+"""The shim's operator routes carry the approval signature (docs/http-contract.md §4)."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer, make_mocked_request
 
+from tests.worlds.commands import shim_argv
 from uapplace.bus.client import PlacementError
 from uapplace.core.errors import Failed, unavailable
 from uapplace.core.model import DEFAULT_CELLS
@@ -180,7 +181,7 @@ def test_other_routes_refuse_non_loopback_peers_with_their_own_message(dead_bus:
 async def test_a_real_peer_outside_the_contract_list_gets_403(
     shim: tuple[str, web.Application],
 ) -> None:
-    """127.0.0.2 is loopback to the kernel but not one of CONTRACT §1's three addresses."""
+    """127.0.0.2 is loopback to the kernel but not one of the three of docs/http-contract.md §1."""
     base, _ = shim
     connector = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
     async with aiohttp.ClientSession(connector=connector) as other_peer:
@@ -714,13 +715,7 @@ async def test_the_command_serves_on_loopback_and_stops_on_sigterm(
     runtime_env: dict[str, str], dead_bus: str
 ) -> None:
     process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "uapplace.shim",
-        "--port",
-        "0",
-        "--bus-address",
-        dead_bus,
+        *shim_argv(dead_bus),
         env=runtime_env,
         cwd=ROOT,
         stderr=asyncio.subprocess.PIPE,

@@ -27,7 +27,7 @@ MEASURED: Mapping[str, Any] = MappingProxyType(
         "measured_on": "gpu0",
     }
 )
-"""The figures that make a config measured (the machine-local file carries them, spec §4.1)."""
+"""The figures that make a config measured (machine-local only: docs/placement-rules.md §4.1)."""
 
 
 def alpha_model(endpoint: str = ALPHA_ENDPOINT, **extra: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The enforcement steps a test expects, written out once as the contract (CONTRACT.md §4)
+"""The enforcement steps a test expects, written out once as the contract (docs/http-contract.md §4)
 rather than read back from the code under test."""
 
 from __future__ import annotations
@@ -16,3 +16,6 @@ APPLY_STEPS = [
     "resolve",
 ]
 """The steps of a successful apply that displaces a resident, in the order they are reported."""
+
+UNLOAD_STEPS = [step for step in APPLY_STEPS if step not in ("start", "verify-up")]
+"""The steps of a successful unload: an apply's, less starting and verifying a new model."""

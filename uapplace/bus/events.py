@@ -7,7 +7,7 @@ source. A subscriber turns each into an :class:`Event` with the next id of an
 (``GET /api/placement/events``, :func:`format_sse`) and ``uapplace watch --json``
 prints the same :meth:`Event.to_json` objects as JSON lines.
 
-Decisions (the spec and DESIGN are silent on them):
+Decisions (docs/bus-api.md and docs/http-contract.md are silent on them):
 
 - **Bounded.** The log keeps the newest ``capacity`` events (1000 by default)
   in a ring; ids keep growing (1, 2, 3 … for the life of the log). A client

@@ -16,7 +16,7 @@ Who may connect (the daemon's side, :class:`PeerListener`):
   uid; anything else is refused before a single message is read;
 - ``Admit`` is the one method served; every other call gets
   ``org.freedesktop.DBus.Error.AccessDenied`` naming the user bus. ``Admit`` is
-  not authorized on the bus either (CONTRACT.md: loopback proxies admit), so the
+  not authorized on the bus either (docs/http-contract.md §1: loopback proxies admit), so the
   socket gives no one anything the bus would not.
 
 Whom the shim trusts (:func:`connect_peer`): a socket in a ``0700`` directory

@@ -24,7 +24,10 @@ from rich.markup import escape
 from uapplace.bus.client import PlacementClient, PlacementError
 from uapplace.cli.render import option_header, show_impact
 from uapplace.cli.session import EXIT_REFUSED, call, err, fail, out, print_json, subscribe
+from uapplace.core.admission import check_option_index
+from uapplace.core.errors import InvalidArgument
 from uapplace.core.model import DEFAULT_CELLS
+from uapplace.core.steps import REVALIDATE
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 
@@ -54,12 +57,10 @@ async def apply_impact(client: PlacementClient, placement_id: str, option: int) 
             f"no pending placement {placement_id} (it may have expired or been resolved)",
         )
     options = entry.get("options", [])
-    if not 1 <= option <= len(options):
-        raise PlacementError(
-            "org.uap.Placement1.Error.InvalidArgument",
-            f"option {option} is out of range: placement {placement_id} has "
-            + (f"options 1..{len(options)}" if options else "no options"),
-        )
+    try:
+        check_option_index(placement_id, option, len(options))
+    except InvalidArgument as bad:
+        raise PlacementError(bad.bus_name, str(bad)) from None
     chosen = options[option - 1]
     header = (
         f"Placement {entry['id']} ({entry['requested_model']} for {entry['client']}): "
@@ -175,7 +176,7 @@ class _Progress:
             return
         run_id, step, ok, detail = message.body
         if self.run_id is None:
-            if step != "revalidate":
+            if step != REVALIDATE:
                 return
             self.run_id = run_id
         if run_id != self.run_id:

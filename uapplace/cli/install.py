@@ -35,7 +35,7 @@ from uapplace.io.units import UnitManager
 MARKER = "# Written by `uapplace install`; `uapplace uninstall` removes it."
 UNIT_NAME = "uapplaced.service"
 ACTIVATION_NAME = f"{BUS_NAME}.service"
-_REPO = Path(__file__).resolve().parent.parent
+_REPO = Path(__file__).resolve().parents[2]
 RELOAD_TIMEOUT_S = 10.0
 
 Action = Literal["written", "unchanged", "removed", "absent", "kept"]

@@ -1,4 +1,4 @@
-"""Standing consent, part two: unattended loads for new parks (spec §4.4.1).
+"""Standing consent, part two: unattended loads for new parks (docs/placement-rules.md §4.4.1).
 
 :class:`AutoRunner` turns a new park into at most one unattended enforcement per
 requested model, single-flight machine-wide; see its docstring. The policy it obeys
@@ -137,7 +137,7 @@ class _Run:
 
 
 class AutoRunner:
-    """Schedules unattended enforcement for new parks (spec §4.4.1).
+    """Schedules unattended enforcement for new parks (docs/placement-rules.md §4.4.1).
 
     - :meth:`schedule` is called by the controller once a new park is stored and
       planned. It answers :attr:`ParkReason.AUTO_LOADING` (and sets it on the

@@ -1,4 +1,4 @@
-"""Standing consent, part two: the idle-resident unload sweep (spec §4.4.2).
+"""Standing consent, part two: the idle-resident unload sweep (docs/placement-rules.md §4.4.2).
 
 The sweep only decides *when*; the stop is the operator's own
 ``Enforcer.unload`` (drain, in-flight refusal, verify-free, rollback). Each

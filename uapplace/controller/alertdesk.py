@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from uapplace.controller.ports import ControllerEvents, NotifierLike
+from uapplace.controller.ports import ControllerEvents, Notifications
 from uapplace.core.alerts import Alert, AlertBoard, AlertKind, Severity
 from uapplace.core.errors import NotFound
 from uapplace.io.counters import DaemonCounters
@@ -26,7 +26,7 @@ class AlertDesk:
         clock: Callable[[], float],
         counters: DaemonCounters,
         events: ControllerEvents,
-        notifier: NotifierLike,
+        notifier: Notifications,
         spawn: Callable[[Awaitable[None], str], None],
         mark_dirty: Callable[[], None],
     ) -> None:

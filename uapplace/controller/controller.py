@@ -3,11 +3,13 @@
 It holds the configuration in force (:class:`~uapplace.controller.configstate.LiveConfig`), the
 admission table, the residents, the bus holds, usage clocks and cooldowns, and the
 alerts, and writes all of them itself. Everyone else changes them through its methods
-(and those of the small state objects it owns: ``usage``, ``cooldowns``, ``holds``),
+(and those of the small state objects it owns: ``usage``, ``cooldowns``, ``alerts``),
 which mark the ledger dirty themselves: the auto runner (``replace_pending``,
 ``cooldowns.start``), the idle sweep (``usage.touch``), enforcement and recovery
-(through ``enforce_host.ControllerHost``). ``tests/unit/test_structure.py`` checks
-that no other module assigns to its attributes.
+(through ``enforce_host.ControllerHost``). Its state sits in private attributes behind
+read-only properties (the residents a ``Sequence``, the holds a ``Mapping``), so nothing
+else can rebind or mutate it; ``tests/unit/test_structure.py`` checks that this holds for
+every public name and that only this module calls the admission table's writers.
 
 Its collaborators come in one :class:`~uapplace.controller.ports.Collaborators` at construction.
 The enforcer, measurer and auto runner are the exception, and the only late-bound
@@ -42,7 +44,7 @@ from uapplace.controller.alertdesk import AlertDesk
 from uapplace.controller.configstate import ConfigState, LiveConfig, report_topology
 from uapplace.controller.door import EnforcementDoor
 from uapplace.controller.dropins import ManagerReload, no_manager_to_reload
-from uapplace.controller.holds import HoldTable
+from uapplace.controller.holds import BusHold, HoldTable
 from uapplace.controller.pending import PendingPlanning
 from uapplace.controller.persist import (
     DEFAULT_DEBOUNCE_S,
@@ -64,8 +66,8 @@ from uapplace.core.admission import (
     Admission,
     return_freed_memory_soon,
 )
-from uapplace.core.alerts import AlertKind, Severity
-from uapplace.core.errors import InvalidArgument, NotFound, no_pending
+from uapplace.core.alerts import AlertBoard, AlertKind, Severity
+from uapplace.core.errors import InvalidArgument, no_pending
 from uapplace.core.model import (
     DEFAULT_CELLS,
     Decision,
@@ -110,45 +112,37 @@ class Controller:
         usage_flush_s: float = DEFAULT_USAGE_FLUSH_S,
         tick_s: float = DEFAULT_TICK_S,
     ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.collaborators = collaborators
-        self.events: ControllerEvents = collaborators.events
+        self._config = config
+        self._ledger = ledger
+        self._collaborators = collaborators
+        self._events: ControllerEvents = collaborators.events
         ttl = config.paths.test_pending_ttl_s or DEFAULT_TTL_SECONDS
-        self.admission = Admission(config.registry(), ttl=ttl)
-        self.residents: list[Resident] = []
-        self.usage = UsageClocks(self.mark_dirty)
-        """Model key → its last gated forward (the idle sweep's clock; in the ledger)."""
-        self.cooldowns = Cooldowns(self.mark_dirty)
-        """Model → until when automation leaves it alone after a failed run (in the ledger)."""
-        self.holds = HoldTable()
-        self.counters = DaemonCounters()
-        """Admits, runs, steps, alerts however they arrived (``GetState.counters``)."""
-        self.alerts = AlertDesk(
-            clock, self.counters, self.events, collaborators.notifier, self.spawn, self.mark_dirty
+        self._admission = Admission(config.registry(), ttl=ttl)
+        self._residents: list[Resident] = []
+        self._usage = UsageClocks(self.mark_dirty)
+        self._cooldowns = Cooldowns(self.mark_dirty)
+        self._holds = HoldTable()
+        self._counters = DaemonCounters()
+        self._alerts = AlertDesk(
+            clock, self._counters, self._events, collaborators.notifier, self.spawn, self.mark_dirty
         )
-        self.alert_board = self.alerts.board
-        """Where every safety path reports (:class:`~uapplace.core.alerts.AlertBoard`)."""
-        self.rails = RailsCache()
-        """Per-target rails of the residents (``GetState.targets``, issue 13)."""
-        self.version = __version__
-        self.reload_error: ConfigFileError | None = None
-        self.enforcement = EnforcementDoor(self.flush, self.live_pending_entry, self.model_named)
-        """Apply/Load/Unload/Measure; the one late-bound part (see the module docstring)."""
+        self._rails = RailsCache()
+        self._reload_error: ConfigFileError | None = None
+        self._enforcement = EnforcementDoor(self.flush, self.live_pending_entry, self.model_named)
         self._clock = clock
         self._tick_s = tick_s
         self._writer = LedgerWriter(
             ledger,
             lambda: self.document({}, self.residents_with_holders(None)),
-            lambda: self.config.state.probe,
+            lambda: self._config.state.probe,
             debounce_s=debounce_s,
             usage_flush_s=usage_flush_s,
         )
         self._usage_keys: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
-        self.planning = PendingPlanning(
-            self.admission,
+        self._planning = PendingPlanning(
+            self._admission,
             self.plan_for,
             self.plan_input,
             self.replace_pending,
@@ -179,7 +173,7 @@ class Controller:
     async def start(self) -> None:
         """Restore from the ledger, then start the writer and the expiry tick."""
         await self.restore_from_ledger()
-        report_topology(self.config.state.registry_load, self.alert_board)
+        report_topology(self._config.state.registry_load, self._alerts.board)
         self.start_background()
 
     def start_background(self) -> None:
@@ -187,49 +181,49 @@ class Controller:
         self._tasks = [
             asyncio.create_task(self._writer.run(), name="ledger-writer"),
             asyncio.create_task(self._tick(), name="expiry-tick"),
-            asyncio.create_task(self.planning.run(), name="pending-replanner"),
+            asyncio.create_task(self._planning.run(), name="pending-replanner"),
         ]
         self.mark_dirty()
-        self.planning.request_replan()
+        self._planning.request_replan()
 
     def restore(self, doc: LedgerDoc) -> None:
         """Residents, usage, cooldowns and live pending entries from the ledger."""
         now = self._clock()
         # Holders are live facts (connections, requests); none survives a restart.
-        # Publication (DESIGN §5a invariant 2): a resident is forwarded to only after a
+        # Publication (docs/invariants.md, invariant 2): a resident is forwarded to only after a
         # verify-up passed in this daemon's life, so every restored resident that was
         # serving is ``warming`` until the unit sync (or LedgerPublication) verifies it.
-        self.residents = [
+        self._residents = [
             replace(r, holders=(), state=ResidentState.WARMING)
             if r.state is ResidentState.HOT
             else replace(r, holders=())
             for r in doc.residents
         ]
-        self.admission.set_residents(self.residents)
-        self.usage.restore(doc.usage)
-        self.cooldowns.restore(doc.cooldowns, now)
-        self.alerts.restore(doc.alerts)
-        dropped = self.admission.restore(doc.pending, now)
+        self._admission.set_residents(self._residents)
+        self._usage.restore(doc.usage)
+        self._cooldowns.restore(doc.cooldowns, now)
+        self._alerts.restore(doc.alerts)
+        dropped = self._admission.restore(doc.pending, now)
         log.info(
             "restored %d resident(s), %d pending (%d dropped as expired or superseded)",
-            len(self.residents),
-            len(self.admission.pending),
+            len(self._residents),
+            len(self._admission.pending),
             len(dropped),
         )
 
     async def restore_from_ledger(self) -> None:
         """Read the ledger (a corrupt one is moved aside by :class:`Ledger`) and restore."""
-        doc = await asyncio.to_thread(self.ledger.read)
+        doc = await asyncio.to_thread(self._ledger.read)
         moved = self._writer.take_error()
         self.restore(doc)
         repaired = repair_report(moved, doc.dropped)
         if repaired is not None:  # moved aside or items dropped alone: a human should know
             kind, severity = AlertKind.CONFIG_ERROR, Severity.WARNING
-            self.alert_board.raise_alert(kind, severity, str(self.ledger.path), *repaired)
+            self._alerts.board.raise_alert(kind, severity, str(self._ledger.path), *repaired)
 
     async def shutdown(self, wait_s: float = DEFAULT_SHUTDOWN_WAIT_S) -> None:
         """Refuse new enforcement, let a running one end (bounded), flush the ledger."""
-        await self.enforcement.close(wait_s)
+        await self._enforcement.close(wait_s)
         for task in [*self._tasks, *self._background]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
@@ -250,7 +244,7 @@ class Controller:
         no client received would be a ghost (issue 13).
         """
         if deadline_us and time.monotonic_ns() // 1000 > deadline_us:
-            self.counters.admit("dropped", DEADLINE_PASSED)
+            self._counters.admit("dropped", DEADLINE_PASSED)
             log.info(
                 "admit of %r for %r arrived after its caller's deadline: no pending entry",
                 model,
@@ -258,12 +252,12 @@ class Controller:
             )
             return Decision("park", reason=DEADLINE_PASSED)
         now = self._clock()
-        decision, entry = self.admission.decide(
+        decision, entry = self._admission.decide(
             model, client, session or None, cells or DEFAULT_CELLS, now
         )
-        self.counters.admit(decision.decision, decision.reason)
+        self._counters.admit(decision.decision, decision.reason)
         if decision.decision == "forward":
-            self.usage.touch(self.model_key(model), now)
+            self._usage.touch(self.model_key(model), now)
         elif entry is not None:
             asyncio.get_running_loop().call_soon(self._after_park, entry)
         return decision
@@ -278,22 +272,22 @@ class Controller:
         return key
 
     def _after_park(self, entry: PendingEntry) -> None:
-        for pushed_out in self.admission.take_evicted():  # the pending caps (admission.py)
-            self.planning.forget(pushed_out.id)
+        for pushed_out in self._admission.take_evicted():  # the pending caps (admission.py)
+            self._planning.forget(pushed_out.id)
             self.resolve_pending(pushed_out, "expired", already_removed=True)
-        self.events.on_parked(entry)
-        self.events.on_pending_count(self.pending_count)
+        self._events.on_parked(entry)
+        self._events.on_pending_count(self.pending_count)
         self.mark_dirty()
-        self.planning.queue(entry)
+        self._planning.queue(entry)
 
     async def _after_planned(self, entry: PendingEntry, found: Plan) -> None:
         """A new park has its options: the auto runner's turn, else the operator's."""
-        reason = await self.enforcement.schedule_auto(entry, found)
+        reason = await self._enforcement.schedule_auto(entry, found)
         if reason is ParkReason.AUTO_LOADING:
             return  # no operator decision to ask for: the load is under way
-        entry = self.admission.get(entry.id) or entry
+        entry = self._admission.get(entry.id) or entry
         # The bubble names who asked; the victims' own clients are in its body.
-        await self.collaborators.notifier.parked(entry, found, [entry.client])
+        await self._collaborators.notifier.parked(entry, found, [entry.client])
 
     # ------------------------------------------------------------------ planning
 
@@ -319,9 +313,9 @@ class Controller:
         A 401 raises the ``token_mismatch`` alert (once while open); with
         ``raise_token_rejected`` it is raised too: a drain stops on it at once."""
         try:
-            return await self.collaborators.proxy.inflight()
+            return await self._collaborators.proxy.inflight()
         except ProxyTokenRejected as err:
-            self.alerts.token_rejected(self.paths.proxy_url, str(err))
+            self._alerts.token_rejected(self.paths.proxy_url, str(err))
             if raise_token_rejected:
                 raise
             log.warning("proxy in-flight list unavailable: %s", err)
@@ -332,14 +326,14 @@ class Controller:
 
     def holders_for(self, resident: Resident) -> list[Holder]:
         """The bus holds on ``resident``."""
-        return self.holds.holders_for(resident)
+        return self._holds.holders_for(resident)
 
     def residents_with_holders(
         self, inflight: Mapping[str, Sequence[Holder]] | None
     ) -> list[Resident]:
         """The residents now; with ``None`` their holders are the bus holds only."""
         out = []
-        for resident in self.residents:
+        for resident in self._residents:
             holders = self.holders_for(resident)
             if inflight is not None:
                 holders.extend(inflight.get(resident.target_id, ()))
@@ -348,45 +342,133 @@ class Controller:
 
     async def read_devices(self) -> Mapping[str, DeviceReading]:
         """A fresh probe of every device (the blocking probe runs in a thread)."""
-        return await asyncio.to_thread(self.config.state.probe.read)
+        return await asyncio.to_thread(self._config.state.probe.read)
 
     # ------------------------------------------------------------------ reads
 
+    # The state and the parts it owns, read-only: only the controller rebinds them. The
+    # state objects' own methods are how others change them (``usage.touch``,
+    # ``cooldowns.start``, ``alerts.acknowledge``, ``enforcement.attach``); the residents
+    # and the holds are handed out as read-only types.
+
+    @property
+    def config(self) -> LiveConfig:
+        """The configuration in force (registry, capacity policy, device probe)."""
+        return self._config
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
+
+    @property
+    def collaborators(self) -> Collaborators:
+        return self._collaborators
+
+    @property
+    def events(self) -> ControllerEvents:
+        return self._events
+
+    @property
+    def admission(self) -> Admission:
+        """The admission table; only the controller calls its writers (``replace``, …)."""
+        return self._admission
+
+    @property
+    def residents(self) -> Sequence[Resident]:
+        """The residents now, without holders (the controller replaces the list whole)."""
+        return self._residents
+
+    @property
+    def usage(self) -> UsageClocks:
+        """Model key → its last gated forward (the idle sweep's clock; in the ledger)."""
+        return self._usage
+
+    @property
+    def cooldowns(self) -> Cooldowns:
+        """Model → until when automation leaves it alone after a failed run (in the ledger)."""
+        return self._cooldowns
+
+    @property
+    def holds(self) -> Mapping[int, BusHold]:
+        """The bus holds by cookie (taken and released through :meth:`hold`/:meth:`release`)."""
+        return self._holds
+
+    @property
+    def counters(self) -> DaemonCounters:
+        """Admits, runs, steps, alerts however they arrived (``GetState.counters``)."""
+        return self._counters
+
+    @property
+    def alerts(self) -> AlertDesk:
+        return self._alerts
+
+    @property
+    def alert_board(self) -> AlertBoard:
+        """Where every safety path reports (:class:`~uapplace.core.alerts.AlertBoard`)."""
+        return self._alerts.board
+
+    @property
+    def rails(self) -> RailsCache:
+        """Per-target rails of the residents (``GetState.targets``, issue 13)."""
+        return self._rails
+
+    @property
+    def version(self) -> str:
+        return __version__
+
+    @property
+    def reload_error(self) -> ConfigFileError | None:
+        """Why the last reload kept the last good registry; ``None`` after a good one."""
+        return self._reload_error
+
+    @property
+    def enforcement(self) -> EnforcementDoor:
+        """Apply/Load/Unload/Measure; the one late-bound part (see the module docstring)."""
+        return self._enforcement
+
+    @property
+    def planning(self) -> PendingPlanning:
+        return self._planning
+
     @property
     def paths(self) -> Paths:
-        return self.config.paths
+        return self._config.paths
 
     @property
     def registry(self) -> Registry:
-        return self.config.registry()
+        return self._config.registry()
 
     @property
     def pending_count(self) -> int:
-        return len(self.admission.pending)
+        return len(self._admission.pending)
 
     def resident_rows(self) -> list[ResidentRow]:
-        return [(r.model, r.config, r.device, r.state.value) for r in self.residents]
+        return [(r.model, r.config, r.device, r.state.value) for r in self._residents]
 
     def pending_entries(self) -> list[PendingEntry]:
-        return sorted(self.admission.pending.values(), key=lambda e: e.created_at)
+        return sorted(self._admission.pending.values(), key=lambda e: e.created_at)
 
     def pending_entry(self, placement_id: str) -> PendingEntry | None:
         """The entry, expired or not (the tick drops and announces expired ones)."""
-        return self.admission.get(placement_id)
+        return self._admission.get(placement_id)
 
     def live_pending_entry(self, placement_id: str) -> PendingEntry | None:
         """The entry unless it expired (an expired one is dropped now)."""
-        return self.admission.get(placement_id, self._clock())
+        return self._admission.get(placement_id, self._clock())
 
     def model_named(self, model: str) -> Model:
-        return self.config.state.model_named(model)
+        return self._config.state.model_named(model)
 
     def service_policy(self, model: Model) -> ServicePolicy | None:
-        return self.config.state.service_policy(model)
+        return self._config.state.service_policy(model)
 
     def resident(self, model: str, config: str, device: str) -> Resident | None:
         return next(
-            (r for r in self.residents if (r.model, r.config, r.device) == (model, config, device)),
+            (
+                r
+                for r in self._residents
+                if (r.model, r.config, r.device) == (model, config, device)
+            ),
             None,
         )
 
@@ -402,15 +484,15 @@ class Controller:
     ) -> None:
         """Drop a pending entry and say so (``Resolved``, notifier, ledger)."""
         if not already_removed:
-            self.admission.remove(entry.id)
-        self.events.on_resolved(entry.id, outcome)
-        self.events.on_pending_count(self.pending_count)
-        self.spawn(self.collaborators.notifier.resolved(entry.id, outcome), f"resolved-{entry.id}")
+            self._admission.remove(entry.id)
+        self._events.on_resolved(entry.id, outcome)
+        self._events.on_pending_count(self.pending_count)
+        self.spawn(self._collaborators.notifier.resolved(entry.id, outcome), f"resolved-{entry.id}")
         self.mark_dirty()
 
     def resolve_pending_id(self, placement_id: str, outcome: str) -> bool:
         """Resolve entry ``placement_id`` (if still there) with ``outcome``."""
-        entry = self.admission.get(placement_id)
+        entry = self._admission.get(placement_id)
         if entry is None:
             return False
         self.resolve_pending(entry, outcome)
@@ -418,14 +500,14 @@ class Controller:
 
     def resolve_served(self, resident: Resident, outcome: str) -> list[str]:
         """Resolve every pending entry ``resident`` serves with ``outcome``; their ids."""
-        entries = self.admission.resolved_by(resident)
+        entries = self._admission.resolved_by(resident)
         for entry in entries:
             self.resolve_pending(entry, outcome)
         return [e.id for e in entries]
 
     def replace_pending(self, entry: PendingEntry) -> None:
         """Store a changed pending entry (options, reason, expiry) and persist it."""
-        self.admission.replace(entry)
+        self._admission.replace(entry)
         self.mark_dirty()
 
     # ------------------------------------------------------------------ operator writes
@@ -435,13 +517,13 @@ class Controller:
     async def reload(self) -> bool:
         """Re-read registry and policy; a bad repo registry keeps the last good one running."""
         try:
-            state = await asyncio.to_thread(self.config.state.reread, self._clock)
+            state = await asyncio.to_thread(self._config.state.reread, self._clock)
         except ConfigFileError as err:
-            self.reload_error = err
+            self._reload_error = err
             log.error("registry reload failed, keeping the last good one: %s", err)
             # The operator's edit is being ignored: say so where they look (status
             # banner, a notification), not only in the log and `validate`.
-            self.alert_board.raise_alert(
+            self._alerts.board.raise_alert(
                 AlertKind.CONFIG_ERROR,
                 Severity.WARNING,
                 str(err.file),
@@ -449,12 +531,12 @@ class Controller:
                 "good one until it is fixed",
             )
             return False
-        self.reload_error = None
-        self.config.swap(state)
-        self.admission.set_registry(state.registry)
+        self._reload_error = None
+        self._config.swap(state)
+        self._admission.set_registry(state.registry)
         self._usage_keys.clear()
-        report_topology(self.config.state.registry_load, self.alert_board)
-        await self.collaborators.unit_writer.refresh()
+        report_topology(self._config.state.registry_load, self._alerts.board)
+        await self._collaborators.unit_writer.refresh()
         return True
 
     # ------------------------------------------------------------------ holds
@@ -464,27 +546,27 @@ class Controller:
         key = self.model_named(model).key
         if not reason.strip():
             raise InvalidArgument("a hold needs a reason (shown to the operator next to the pin)")
-        held = self.holds.take(key, reason, app_id, sender, self._clock())
+        held = self._holds.take(key, reason, app_id, sender, self._clock())
         log.info("hold %d on %s by %s (%s): %s", held.cookie, key, app_id or "-", sender, reason)
         self._holds_changed()
-        if sender and not await self.collaborators.peer_connected(sender):
+        if sender and not await self._collaborators.peer_connected(sender):
             self.drop_holds_of(sender)  # it disconnected before we could watch it
         return held.cookie
 
     def hold_owner(self, cookie: int) -> str:
         """The bus connection that took hold ``cookie`` (``NotFound`` when there is none)."""
-        return self.holds.existing(cookie).sender
+        return self._holds.existing(cookie).sender
 
     def release(self, cookie: int, sender: str, *, may_release_others: bool = False) -> None:
         """End a hold. Only the connection that took it may, unless the caller was
         authorized for ``org.uap.placement.release-others`` (``may_release_others``)."""
-        held = self.holds.release(cookie, sender, may_release_others=may_release_others)
+        held = self._holds.release(cookie, sender, may_release_others=may_release_others)
         log.info("hold %d on %s released by %s", cookie, held.model, sender or "-")
         self._holds_changed()
 
     def drop_holds_of(self, sender: str) -> None:
         """``sender`` left the bus: its holds end with it."""
-        gone = self.holds.drop_sender(sender)
+        gone = self._holds.drop_sender(sender)
         for held in gone:
             log.info("hold %d on %s ended: %s left the bus", held.cookie, held.model, sender)
         if gone:
@@ -492,50 +574,40 @@ class Controller:
 
     def _holds_changed(self) -> None:
         self.mark_dirty()
-        self.planning.request_replan()  # a held resident is never a victim: options change
+        self._planning.request_replan()  # a held resident is never a victim: options change
 
     # ------------------------------------------------------------------ residents
 
     def upsert_resident(self, resident: Resident) -> None:
         """Add a resident or replace the one with the same model/config/device."""
         key = (resident.model, resident.config, resident.device)
-        others = [r for r in self.residents if (r.model, r.config, r.device) != key]
+        others = [r for r in self._residents if (r.model, r.config, r.device) != key]
         self._set_residents([*others, resident])
-        self.events.on_resident_changed(
+        self._events.on_resident_changed(
             (resident.model, resident.config, resident.device, resident.state.value)
         )
         self.resolve_served(resident, "forwarded")
-
-    def set_resident_state(
-        self, model: str, config: str, device: str, state: ResidentState
-    ) -> Resident:
-        current = self.resident(model, config, device)
-        if current is None:
-            raise NotFound(f"no resident {model}/{config} on {device}")
-        updated = replace(current, state=state)
-        self.upsert_resident(updated)
-        return updated
 
     def drop_resident(self, model: str, config: str, device: str) -> Resident | None:
         current = self.resident(model, config, device)
         if current is None:
             return None
-        self._set_residents([r for r in self.residents if r is not current])
-        self.events.on_resident_changed((model, config, device, GONE))
+        self._set_residents([r for r in self._residents if r is not current])
+        self._events.on_resident_changed((model, config, device, GONE))
         return current
 
     def emit_step(self, run_id: str, step: str, ok: bool, detail: str) -> None:
         """For the enforcer: one ``EnforcementStep`` signal."""
-        self.counters.step(run_id, step, ok)
-        self.events.on_enforcement_step(run_id, step, ok, detail)
+        self._counters.step(run_id, step, ok)
+        self._events.on_enforcement_step(run_id, step, ok, detail)
 
     def _set_residents(self, residents: list[Resident]) -> None:
-        self.residents = residents
-        self.admission.set_residents(residents)
-        self.rails.invalidate()  # a resident turned hot answers /slots now: probe again
-        self.events.on_residents(self.resident_rows())
+        self._residents = residents
+        self._admission.set_residents(residents)
+        self._rails.invalidate()  # a resident turned hot answers /slots now: probe again
+        self._events.on_residents(self.resident_rows())
         self.mark_dirty()
-        self.planning.request_replan()
+        self._planning.request_replan()
 
     # ------------------------------------------------------------------ persistence
 
@@ -556,9 +628,9 @@ class Controller:
             devices=dict(readings),
             residents=residents,
             pending=self.pending_entries(),
-            usage=dict(self.usage),
-            cooldowns=dict(self.cooldowns),
-            alerts=self.alerts.active(),
+            usage=dict(self._usage),
+            cooldowns=dict(self._cooldowns),
+            alerts=self._alerts.active(),
         )
 
     # ------------------------------------------------------------------ background
@@ -571,12 +643,12 @@ class Controller:
     def expire(self) -> list[PendingEntry]:
         """Drop expired entries (``Resolved(id, "expired")``) and lapsed cooldowns."""
         now = self._clock()
-        gone = self.admission.expire(now)
+        gone = self._admission.expire(now)
         for entry in gone:
             self.resolve_pending(entry, "expired", already_removed=True)
         if len(gone) >= TRIM_AFTER_EXPIRED:  # after a flood: let RSS come back down
             self.spawn(return_freed_memory_soon(), "return-freed-memory")
-        self.cooldowns.lapse(now)
+        self._cooldowns.lapse(now)
         return gone
 
     async def background_done(self) -> None:

@@ -5,7 +5,7 @@ It holds the one late-bound part of the controller (see ``controller.py``): the
 attached once by ``wiring`` after recovery and the first unit sync, or the reason
 there are none. Before that, and without them, each request answers the typed
 ``Unavailable`` (the shim maps it to 503 by its name); during shutdown, ``Busy``.
-Every run is preceded by a durable ledger write (DESIGN §5a invariant 6).
+Every run is preceded by a durable ledger write (docs/invariants.md, invariant 6).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class EnforcementDoor:
         return self._parts
 
     async def _durable_before_run(self) -> None:
-        """Write the ledger before a run changes anything (DESIGN §5a invariant 6).
+        """Write the ledger before a run changes anything (docs/invariants.md, invariant 6).
 
         The write-behind coalesces for ``debounce_s``; a park answered just before an
         ``Apply`` could otherwise be lost with a crash mid-run (found by the chaos

@@ -33,7 +33,7 @@ class UnitDropins:
 
     The edges are :func:`uapplace.core.conflicts.conflict_edges`: computed in MiB with the
     planner's own fit test, so systemd never stops a model the planner would have kept
-    alongside (DESIGN §5a invariant 1: nothing is stopped without a yes). ``reload``
+    alongside (docs/invariants.md, invariant 1: nothing stops without a yes). ``reload``
     asks the user manager to ``Reload``; when there is none (it answers ``False``) the
     files are still written and the log says to run ``systemctl --user daemon-reload``.
 

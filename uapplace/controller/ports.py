@@ -8,6 +8,10 @@ unknown, which counts as busy; no notifier: no bubbles), so no slot is ``None`` 
 caller checks for it. What really may be absent (the enforcer and the measurer, without
 a systemd user manager) is not here: it is attached once to the controller's
 ``enforcement`` door (:meth:`uapplace.controller.door.EnforcementDoor.attach`), see there why.
+
+Each Protocol is named for the role it plays for its caller, a noun without a ``Like``,
+``Port`` or ``Protocol`` suffix (``Enforcement``, ``Measurement``, ``Notifications``,
+``InflightSource``); ``…Host`` names the controller as one part sees it.
 """
 
 from __future__ import annotations
@@ -25,20 +29,8 @@ ResidentRow = tuple[str, str, str, str]
 """``(model, config, device, state)``: one element of the ``Residents`` property."""
 
 
-@dataclass(frozen=True)
-class VictimRef:
-    """One element of an approval signature: a resident the operator agreed to stop."""
-
-    model: str
-    config: str
-
-    @property
-    def signature(self) -> str:
-        return f"{self.model}/{self.config}"
-
-
-Signature = Sequence[str] | Sequence[VictimRef]
-"""An approval signature: ``model/config`` strings (the bus form) or VictimRef objects."""
+Signature = Sequence[str]
+"""An approval signature: the ``model/config`` strings of the victims shown (the bus form)."""
 
 
 # --------------------------------------------------------------------------- outputs
@@ -125,7 +117,9 @@ class EventRelay:
         self._sink.on_alert(alert)
 
 
-class NotifierLike(Protocol):
+class Notifications(Protocol):
+    """Desktop notifications (``uapplace.daemon.notify.Notifier``)."""
+
     async def parked(self, entry: PendingEntry, plan: Plan, clients: Sequence[str]) -> None: ...
 
     async def resolved(self, placement_id: str, outcome: str) -> None: ...
@@ -194,7 +188,7 @@ class AutoPolicyStore(Protocol):
     async def set(self, changes: Mapping[str, Any], consent: bool) -> dict[str, Any]: ...
 
 
-class AuthorizerLike(Protocol):
+class Authorization(Protocol):
     """polkit / same-uid checks (``uapplace.daemon.authz.Authorizer``); used by the bus service."""
 
     async def check(self, sender: str, action: Any) -> None: ...
@@ -211,7 +205,7 @@ class Collaborators:
     unit_writer: UnitWriter
     events: ControllerEvents = field(default_factory=NoEvents)
     proxy: InflightSource = field(default_factory=NoProxy)
-    notifier: NotifierLike = field(default_factory=NoNotifier)
+    notifier: Notifications = field(default_factory=NoNotifier)
     peer_connected: PeerCheck = assume_connected
 
 
@@ -235,7 +229,7 @@ def standalone_collaborators(
 
 
 class Enforcement(Protocol):
-    """Apply / Load / Unload (spec §4.6): ``uapplace.enforce.enforcer.Enforcer``."""
+    """Apply / Load / Unload (docs/placement-rules.md §4.6): ``enforce.enforcer.Enforcer``."""
 
     async def apply(
         self,
@@ -257,7 +251,7 @@ class Enforcement(Protocol):
         ...
 
 
-class MeasurementPort(Protocol):
+class Measurement(Protocol):
     """Footprints and envelopes from a live engine (``uapplace.measure.measurer.Measurer``)."""
 
     async def measure(self, model: str, config: str) -> dict[str, Any]: ...
@@ -288,5 +282,5 @@ class EnforcementParts:
     """What exists only with a systemd user manager, attached to the controller once."""
 
     enforcer: Enforcement
-    measurer: MeasurementPort
+    measurer: Measurement
     auto_runner: AutoScheduler = field(default_factory=NoAutoRuns)

@@ -1,4 +1,6 @@
-"""The admit decision: forward to a resident, or park with a reason (spec §4.3, CONTRACT.md §1).
+"""The admit decision: forward to a resident, or park with a reason.
+
+docs/placement-rules.md §4.3; the wire format is docs/http-contract.md §1.
 
 This is the hot path the proxy holds to a 2 s timeout, so ``decide`` does
 dictionary look-ups only: the resident index and the registry index are
@@ -23,8 +25,9 @@ no measured config it could load                       park ``no_measured_config
 otherwise                                              park ``not_resident``
 =====================================================  ===================================
 
-"Can serve" is narrower than CONTRACT.md's wording ("not ``draining``"): only a
-``hot`` resident serves (DESIGN §5a invariant 2, publication). ``hot`` is set
+"Can serve" is narrower than docs/http-contract.md §1 (which only rules out
+``draining``): only a ``hot`` resident serves (docs/invariants.md, invariant 2:
+publication). ``hot`` is set
 only by a verify-up that passed in this daemon's life (health 200, the id in
 ``/v1/models``, ``metricsMustMatch``): by an enforcement run or by the unit sync
 (:mod:`uapplace.publish.unitsync`). A ``warming`` resident (loading, restored from the
@@ -37,7 +40,7 @@ any unloaded model; a ``draining`` one refuses new work.
 **Bounded state.** Every admit that parks a new ``(client, model)`` pair creates an
 entry, so a flood of distinct pairs must not grow memory (or the ledger) without end:
 
-- ``client`` and ``session`` are cut to 128 characters (CONTRACT.md §1) here, on every
+- ``client`` and ``session`` are cut to 128 characters (docs/http-contract.md §1) here, on every
   path (bus, peer socket, shim). A model id over 1,024 characters that the registry
   does not name parks ``invalid_request`` with no entry, like an empty one (the shim
   answers 400 for both; its 10 KiB body bound is the same kind of limit).
@@ -129,7 +132,7 @@ async def return_freed_memory_soon(delay_s: float = 1.0) -> None:
 
 
 def new_placement_id() -> str:
-    """``plc-`` + 6 lowercase hex digits (24 bits; CONTRACT.md §1)."""
+    """``plc-`` + 6 lowercase hex digits (24 bits; docs/http-contract.md §1)."""
     return "plc-" + secrets.token_hex(3)
 
 
@@ -403,20 +406,27 @@ class Admission:
 def chosen_option(entry: PendingEntry, option: int) -> Option:
     """Option ``option`` (1-based, as ``ListPending`` numbers them) of ``entry``.
 
-    The one range check of ``Apply``: the controller and the enforcer both ask here.
+    The one range check of ``Apply``: the controller and the enforcer both ask here
+    (the CLI, which holds ``ListPending``'s JSON, asks :func:`check_option_index`).
     Raises :class:`~uapplace.core.errors.InvalidArgument` when the entry has no options
     or the index is out of range.
     """
-    if not entry.options:
-        raise InvalidArgument(
-            f"placement {entry.id} has no options (see `uapplace pending`); nothing can be applied"
-        )
-    if not 1 <= option <= len(entry.options):
-        raise InvalidArgument(
-            f"option {option} is out of range: placement {entry.id} has options "
-            f"1..{len(entry.options)}"
-        )
+    check_option_index(entry.id, option, len(entry.options))
     return entry.options[option - 1]
+
+
+def check_option_index(placement_id: str, option: int, count: int) -> None:
+    """Raise :class:`~uapplace.core.errors.InvalidArgument` unless ``option`` is in
+    ``1..count``, the options placement ``placement_id`` has (none when ``count`` is 0)."""
+    if count == 0:
+        raise InvalidArgument(
+            f"placement {placement_id} has no options (see `uapplace pending`); "
+            "nothing can be applied"
+        )
+    if not 1 <= option <= count:
+        raise InvalidArgument(
+            f"option {option} is out of range: placement {placement_id} has options 1..{count}"
+        )
 
 
 def _loadable(configs: Iterable[Config]) -> ParkReason:

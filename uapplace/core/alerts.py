@@ -1,6 +1,6 @@
 """Alerts: what uapplaced must tell a human until a human says "seen".
 
-An alert is raised when a promise of DESIGN.md §5a could not be kept by the
+An alert is raised when a promise of docs/invariants.md could not be kept by the
 daemon alone: a rollback that left a device emptier than before, a half-done
 run repaired (or not) after a crash, a resident dropped because its unit is
 gone, an engine serving the wrong id, the proxy refusing our token. Alerts

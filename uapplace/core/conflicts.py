@@ -60,8 +60,9 @@ def gpu_budget_mib(device: Device) -> float | None:
 def gpu_shortfall_mib(device: Device, costs: Iterable[float]) -> float:
     """MiB missing for ``costs`` to be resident together on ``device`` (≤ 0: they fit).
 
-    A device is a sum (spec §4.4): ``total − reserved − Σ costs``; never a free-memory
-    reading. A CPU device has no GPU budget: nothing is ever missing there.
+    A device is a sum (docs/placement-rules.md §4.4): ``total − reserved − Σ costs``;
+    never a free-memory reading. A CPU device has no GPU budget: nothing is ever
+    missing there.
     """
     budget = gpu_budget_mib(device)
     if budget is None:

@@ -71,8 +71,8 @@ class Unavailable(PlacementFailure):
     Only the enforcer and the measurer may be absent (no systemd user manager, or
     the moment between the daemon taking its name and wiring them). Its own bus
     name lets a caller (the shim answers ``503``) tell it from a failed run
-    without reading the message. Decision: ``DESIGN.md`` lists seven error names;
-    this eighth is additive and documented in ``dbus/org.uap.Placement1.xml``.
+    without reading the message. Decision: it is additive to the seven first names,
+    documented in ``dbus/org.uap.Placement1.xml`` and docs/bus-api.md ("Errors").
     """
 
     short = "Unavailable"

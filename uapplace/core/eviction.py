@@ -1,4 +1,4 @@
-"""Minimal eviction sets (spec §4.4): the exact smallest set of residents whose
+"""Minimal eviction sets (docs/placement-rules.md §4.4): the exact smallest set of residents whose
 displacement frees what a candidate needs, on the GPU and in host RAM.
 
 Pure integer arithmetic, no registry: the planner (:mod:`uapplace.core.planner`) turns

@@ -3,7 +3,7 @@
 Pydantic lives at the edges (files, bus, HTTP); inside, the program passes these
 frozen dataclasses around. Each edge module converts to and from them.
 
-Units: memory in MiB (floats where the spec's cost math produces fractions),
+Units: memory in MiB (floats where the docs/placement-rules.md §4.4 cost produces fractions),
 context in cells (tokens), times as POSIX seconds (``float``) inside and
 ISO-8601 UTC strings in files and on the wire.
 """
@@ -17,13 +17,13 @@ from enum import StrEnum
 from typing import Any, Literal
 
 DEFAULT_CELLS = 32768
-"""Context a request is assumed to need when it names none (CONTRACT.md §1)."""
+"""Context a request is assumed to need when it names none (docs/http-contract.md §1)."""
 
 Provenance = Literal["repo", "local"]
 
 PauseLever = Literal["vllm-sleep-1", "vllm-sleep-2", "llamacpp-router"]
 """The in-process lever an engine has to give its GPU memory back without exiting
-(spec §4.2 "What paused is", Decision 4, issue 12). ``vllm-sleep-1``: vLLM sleep level 1
+(docs/placement-rules.md §4.2 "What paused is", §9.4, issue 12). ``vllm-sleep-1``: sleep level 1
 (weights offloaded to host RAM, KV discarded; ``POST /sleep?level=1``, ``/wake_up``);
 ``vllm-sleep-2``: level 2 (weights and KV discarded, reloaded from disk on wake);
 ``llamacpp-router``: llama.cpp's router unloads the model in place. Declared per config
@@ -32,8 +32,8 @@ by the operator in the registry; whether it is executable is :data:`EXECUTABLE_L
 EXECUTABLE_LEVERS: frozenset[str] = frozenset({"vllm-sleep-1", "vllm-sleep-2"})
 """The levers enforcement can drive today (vLLM's sleep API through
 :mod:`uapplace.io.engines`). ``llamacpp-router`` is accepted in the registry but stays
-display-only (spec Decision 4: "until that reload path exists for a given engine,
-paused is display-only for that config"): the planner never offers it as ``pause``."""
+display-only (docs/placement-rules.md §9.4: until an engine's way back exists, ``paused`` is
+display-only for its configs): the planner never offers it as ``pause``."""
 
 
 def iso(ts: float) -> str:
@@ -86,7 +86,7 @@ class ConfigStatus(StrEnum):
 
 @dataclass(frozen=True)
 class Envelope:
-    """A config's measured enforcement envelope on this machine (spec §4.6, open question 4):
+    """A config's measured enforcement envelope on this machine (docs/placement-rules.md §4.6, §10):
     how long taking it down and bringing it up took, per ``uapplace measure --envelope``.
 
     Seconds throughout; ``sleep_*``/``wake_s`` only for an engine with a sleep lever.
@@ -128,7 +128,7 @@ class Envelope:
 
 @dataclass(frozen=True)
 class Config:
-    """One launch configuration of a model, with its measured footprint (spec §4.1)."""
+    """One launch configuration of a model, with its footprint (docs/placement-rules.md §4.1)."""
 
     key: str
     status: ConfigStatus
@@ -148,7 +148,7 @@ class Config:
     endpoint: str | None = None
     provenance: Provenance = "repo"
     measured_device: DeviceIdentity | None = None
-    """The device the figures were taken on, as ``measure`` saw it (spec §4.1 ``measured_on``)."""
+    """The device its figures were measured on (docs/placement-rules.md §4.1, ``measured_on``)."""
     engine_build: str | None = None
     """The engine build the figures were taken with, where ``measure`` recorded one."""
     untrusted: str = ""
@@ -188,7 +188,7 @@ class Config:
 
 
 def cost_mib(config: Config, cells: int) -> float | None:
-    """Spec §4.1/§4.4 admission cost, or ``None`` when it is unknown (fail closed).
+    """Admission cost (docs/placement-rules.md §4.1, §4.4), or ``None`` when unknown (fail closed).
 
     ``resident_gpu_mib + max(0, cells − kv_resident_cells)/1000 × kv_mib_per_1k_cells``.
     Unknown when the config is unmeasured, or when the request goes past the
@@ -341,7 +341,7 @@ class Resident:
 
     @property
     def target_id(self) -> str:
-        """CONTRACT.md §1: ``<device>:<endpoint or 'default'>``."""
+        """docs/http-contract.md §1: ``<device>:<endpoint or 'default'>``."""
         return f"{self.device}:{self.endpoint or 'default'}"
 
     @property
@@ -398,8 +398,8 @@ pauses it rather than stopping it, so consent names the action (issue 12): appro
 
 @dataclass(frozen=True)
 class Victim:
-    """One resident a displace (or wake) option stops or pauses, with its spec §4.5
-    consequence."""
+    """One resident a displace (or wake) option stops or pauses, with its
+    consequence (docs/placement-rules.md §4.5)."""
 
     model: str
     config: str
@@ -495,7 +495,7 @@ class Option:
         return sum(v.frees_mib for v in self.victims)
 
     def to_json(self) -> dict[str, Any]:
-        """CONTRACT.md §4 option shape (``victims``/``affinityMatch`` only where they apply)."""
+        """docs/http-contract.md §4's option (``victims``, ``affinityMatch`` where they apply)."""
         out: dict[str, Any] = {
             "kind": self.kind.value,
             "model": self.model,
@@ -516,7 +516,7 @@ class Option:
 
 @dataclass(frozen=True)
 class Plan:
-    """The planner's answer for one requested id (CONTRACT.md §4 preview)."""
+    """The planner's answer for one requested id (docs/http-contract.md §4 preview)."""
 
     requested: str
     reason: PreviewReason
@@ -552,7 +552,7 @@ class PendingEntry:
 
 @dataclass(frozen=True)
 class Decision:
-    """The answer to one admit (CONTRACT.md §1)."""
+    """The answer to one admit (docs/http-contract.md §1)."""
 
     decision: Literal["forward", "park"]
     target_id: str = ""

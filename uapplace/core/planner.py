@@ -1,4 +1,6 @@
-"""Placement options for one requested id, and the impact preview (spec §4.4, §4.5).
+"""Placement options for one requested id, and the impact preview.
+
+docs/placement-rules.md §4.4, §4.5.
 
 ``plan`` answers "what can this machine do for <id> right now": reuse a
 resident, load a measured config alongside what is loaded, or displace a
@@ -103,7 +105,7 @@ class PlanInput:
 def plan(
     inp: PlanInput, requested: str, cells: int = DEFAULT_CELLS, task: str | None = None
 ) -> Plan:
-    """The ranked options for ``requested`` at ``cells`` of context (spec §4.4).
+    """The ranked options for ``requested`` at ``cells`` of context (docs/placement-rules.md §4.4).
 
     ``task`` (``code``, ``general``…) is optional: the admit path carries none.
     It only affects ``affinity_match`` on ``load_alongside`` options; see
@@ -232,8 +234,8 @@ class _Search:
 
         A ``paused`` resident of this very config is woken in place (``wake``) on its
         own device (where its config's lever is executable; a paused resident without
-        one is the display state of spec §4.2 and is not woken), never loaded a second
-        time: its budget counts the other residents
+        one is the display state of docs/placement-rules.md §4.2 and is not woken), never
+        loaded a second time: its budget counts the other residents
         plus the config's full cost (the paused process's residual is part of that
         cost once awake), and it needs no host RAM (waking moves weights *out* of the
         host, or back from disk into the GPU).

@@ -1,6 +1,6 @@
-"""The order of a plan's options (spec §4.4): reuse, wake, load alongside (affinity
-first), then displacement by MiB freed; and where a displacement's stop and pause
-forms sit next to each other.
+"""The order of a plan's options: reuse, wake, load alongside (affinity first), then
+displacement by MiB freed; and where a displacement's stop and pause forms sit next
+to each other (docs/placement-rules.md §4.4).
 
 Pure: the planner (:mod:`uapplace.core.planner`) sorts every plan's options here.
 """
@@ -13,7 +13,7 @@ from uapplace.core.model import Model, Option, OptionKind, Victim
 
 
 def rank_options(options: Iterable[Option]) -> tuple[Option, ...]:
-    """Spec §4.4 order: reuse > wake with nothing to displace > load_alongside with
+    """The §4.4 order: reuse > wake with nothing to displace > load_alongside with
     affinity > load_alongside > displace (and wake needing room) freeing the fewest
     MiB > … > the most. Ties: fewer victims, then device and config key, so the
     order is deterministic.

@@ -1,8 +1,8 @@
 """Proxy topology: per-target routing, or one upstream for everything.
 
-The stock UAP proxy sends every request to its one ``LLAMA_CPP_BASE`` (spec
-§4.3 "Phase 1.5"): it reads a forward's ``target_id`` only for its concurrency
-slot and in-flight list. Behind such a proxy a model is reachable only when its
+The stock UAP proxy sends every request to its one ``LLAMA_CPP_BASE``
+(docs/placement-rules.md §6 "Phase 1.5"): it reads a forward's ``target_id`` only
+for its concurrency slot and in-flight list. Behind such a proxy a model is reachable only when its
 engine listens on that one address, so after a switch the new engine must take
 over the same port. The registry says which topology the proxy has:
 

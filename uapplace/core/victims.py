@@ -1,5 +1,6 @@
-"""The victims of a placement (spec §4.5): which registry config a resident runs, what
-stopping or pausing it costs its users, and the figures a pause frees and moves.
+"""The victims of a placement: which registry config a resident runs, what stopping
+or pausing it costs its users, and the figures a pause frees and moves
+(docs/placement-rules.md §4.5).
 
 Pure functions over the registry and the ledger's residents. The planner builds its
 preview victims here (:func:`victim_of`); the controller re-reads each victim's
@@ -40,7 +41,7 @@ def config_of(registry: Registry, resident: Resident) -> Config | None:
 
 
 def serves(registry: Registry, resident: Resident, model_id: str) -> bool:
-    """CONTRACT.md §1: the id is the resident's model key, its config key or an advertised id."""
+    """``model_id`` is its model key, config key or an advertised id (docs/http-contract.md §1)."""
     if not model_id:
         return False
     if model_id in (resident.model, resident.config):
@@ -66,7 +67,7 @@ def in_flight(resident: Resident, inflight_known: bool) -> bool | None:
 
 
 def consequence(state: ResidentState, busy: bool | None) -> str:
-    """Spec §4.5: what stopping a resident in ``state`` costs its users."""
+    """docs/placement-rules.md §4.5: what stopping a resident in ``state`` costs its users."""
     if state is ResidentState.HOT:
         if busy is True:
             return "active generation aborted; context lost"
@@ -115,7 +116,7 @@ CONSEQUENCES: tuple[tuple[str, str, str, str], ...] = (
     ("warming", "stop", "—", "load wasted; VRAM returns on stop"),
     ("paused", "stop", "—", "already offloaded; restore path lost"),
 )
-"""Spec §4.5's consequence table with the ``pause`` rows (state, action, in flight,
+"""The consequence table of docs/placement-rules.md §4.5 (state, action, in flight,
 consequence); :func:`consequence` and :func:`pause_consequence` compute each cell.
 Only a ``hot`` resident is ever paused: a warming one has nothing to offload yet,
 a paused one is paused already, a draining one is being stopped."""
@@ -225,6 +226,6 @@ def victim_of(
 
 
 def fmt_mib(mib: float) -> str:
-    """MiB for a human: integers bare, fractions to the spec's three decimals."""
+    """MiB for a human: integers bare, fractions to 3 decimals (docs/placement-rules.md §4.4)."""
     rounded = round(mib, 3)
     return str(int(rounded)) if float(rounded).is_integer() else f"{rounded:.3f}"

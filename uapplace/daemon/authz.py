@@ -1,6 +1,6 @@
 """Who may mutate: polkit when a system bus with polkit is reachable, else the daemon's own uid.
 
-DESIGN.md §5. Every privileged verb of the bus API has one polkit action
+docs/bus-api.md ("Authorization"). Every privileged verb of the bus API has one polkit action
 (``polkit/org.uap.placement.policy``); the service calls :meth:`Authorizer.check`
 before it mutates anything and never for reads. The caller is identified on the
 session bus that carried its call (PID, UID), and polkit is asked about that
@@ -72,7 +72,7 @@ class Action(StrEnum):
 
 
 def auto_policy_actions(changes: Mapping[str, Any]) -> frozenset[Action]:
-    """The actions a ``SetAutoPolicy`` body needs (HACKING.md's ``auto`` body shape).
+    """The actions a ``SetAutoPolicy`` body needs (docs/bus-api.md, "The auto policy").
 
     Granting standing consent and taking it back are separate actions, so the
     policy can make the first strict without ever making an operator

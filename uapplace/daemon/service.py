@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from uapplace import __version__
 from uapplace.controller import views
 from uapplace.controller.controller import Controller
-from uapplace.controller.ports import AuthorizerLike, AutoPolicyStore, ResidentRow, UnitWriter
+from uapplace.controller.ports import Authorization, AutoPolicyStore, ResidentRow, UnitWriter
 from uapplace.core.alerts import Alert
 from uapplace.core.errors import ERROR_PREFIX, InvalidArgument, NotAuthorized, PlacementFailure
 from uapplace.core.model import PendingEntry
@@ -104,7 +104,7 @@ _PROPERTY_ANNOTATIONS: dict[str, dict[str, str]] = {
 
 
 class _AutoChangesJson(BaseModel):
-    """The shim's ``auto`` body (HACKING.md); unknown keys are refused by name."""
+    """The shim's ``auto`` body (docs/bus-api.md, "The auto policy"); unknown keys refused."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enable: bool | None = None
@@ -170,7 +170,7 @@ class PlacementInterface(ServiceInterface):
     def __init__(
         self,
         controller: Controller,
-        authorizer: AuthorizerLike,
+        authorizer: Authorization,
         auto_policy: AutoPolicyStore,
         unit_writer: UnitWriter,
     ) -> None:

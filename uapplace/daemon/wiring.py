@@ -47,7 +47,7 @@ from uapplace.controller.ports import (
     Collaborators,
     EnforcementParts,
     EventRelay,
-    NotifierLike,
+    Notifications,
 )
 from uapplace.core.alerts import Alert
 from uapplace.core.errors import Failed
@@ -151,7 +151,7 @@ class QuietUntilStarted:
     nothing reaches the session bus before the daemon owns its name (an alert raised
     while the ledger is restored included: it shows in ``status``, not as a bubble)."""
 
-    def __init__(self, notifier: NotifierLike) -> None:
+    def __init__(self, notifier: Notifications) -> None:
         self._notifier = notifier
         self._open = False
 
@@ -336,7 +336,7 @@ class Assembly:
 
     def _without_enforcement(self, why: str, *, error: bool = False) -> None:
         """No unit sync: restored residents are still verified (over HTTP) before any
-        admit is forwarded to them (DESIGN §5a invariant 2)."""
+        admit is forwarded to them (docs/invariants.md, invariant 2)."""
         self.controller.enforcement.unavailable(why)
         (log.error if error else log.warning)("Apply/Load/Unload/Measure unavailable: %s", why)
         self.publication = LedgerPublication(ControllerHost(self.controller))

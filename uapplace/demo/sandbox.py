@@ -4,7 +4,8 @@ in one :class:`contextlib.AsyncExitStack`.
 :meth:`Sandbox.create` builds
 
 - a systemd user manager: a contained ``systemd --user`` when this machine
-  allows one (root and a writable cgroup tree, DESIGN.md §6); otherwise the
+  allows one (root and a writable cgroup tree; docs/architecture.md, "Contained user
+  manager"); otherwise the
   session's own user manager, with the demo's units written as *runtime* unit
   files (``$XDG_RUNTIME_DIR/systemd/user/uapplace-demo-*.service``) and removed
   on exit. Runtime unit files rather than transient units, because a transient
@@ -253,7 +254,8 @@ class Sandbox:
             "UAP_PROXY_URL": self.proxy_url,
             "PROXY_AUTH_TOKEN": self.spec.token,
             "UAPPLACE_SHIM_PORT": str(self.ports["shim"]),
-            # No polkit in a sandbox: the daemon's own uid may act (DESIGN.md §5).
+            # No polkit in a sandbox: the daemon's own uid may act
+            # (docs/bus-api.md, "Authorization").
             "UAPPLACE_SYSTEM_BUS_ADDRESS": "",
         }
         if self.manager is not None:
@@ -286,8 +288,9 @@ class Sandbox:
         (self.config_dir / "model-registry.json").write_text(
             json.dumps(registry, indent=2), encoding="utf-8"
         )
-        # Measured figures count only from the machine-local file (spec §4.1): the demo's
-        # box records its own, with the simulated card's identity, as `measure` would.
+        # Measured figures count only from the machine-local file (docs/placement-rules.md §4.1):
+        # the demo's box records its own, with the simulated card's identity, as `measure`
+        # would.
         (self.uap_home / "model-registry.json").write_text(
             json.dumps(local_measurements(registry), indent=2), encoding="utf-8"
         )

@@ -69,7 +69,7 @@ class Narrator:
 
 
 async def shim_admit(box: Sandbox, model: str, client: str) -> dict[str, Any]:
-    """``POST /api/placement/admit`` exactly as the proxy sends it (CONTRACT.md §1)."""
+    """``POST /api/placement/admit`` exactly as the proxy sends it (docs/http-contract.md §1)."""
     body = {"model_id": model, "client": client, "session": None}
     timeout = aiohttp.ClientTimeout(total=5)
     async with (

@@ -3,8 +3,8 @@
 ``enforcer.Enforcer`` drives one run machine-wide: revalidate (``revalidate``),
 preflight (``preflight``), the forward steps (``steps``), pause and wake
 (``pause``), rollback (``rollback``), the journal record before each unit change
-(``journaling``); ``run`` holds a run's bookkeeping and the step names, ``host`` the
-controller as enforcement sees it.
+(``journaling``); ``run`` holds a run's bookkeeping (the step names are ``core.steps``'s), ``host``
+the controller as enforcement sees it.
 
 May import: ``core``, ``files``, ``bus``, ``io``, ``controller``, ``publish``.
 """

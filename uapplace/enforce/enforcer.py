@@ -1,8 +1,8 @@
-"""Enforcement: the spec §4.6 sequence, one run at a time, with rollback.
+"""Enforcement: the docs/placement-rules.md §4.6 sequence, one run at a time, with rollback.
 
 Every ``Apply``, ``Load`` and ``Unload`` goes through one sequence of named
 steps, each reported as it ends (``EnforcementStep(run_id, step, ok, detail)``)
-and returned in the result (CONTRACT.md §4)::
+and returned in the result (docs/http-contract.md §4)::
 
     revalidate → preflight → mark-draining → drain → stop → verify-free → start
                → verify-up → refresh-proxy → resolve
@@ -16,7 +16,8 @@ order of the steps. The parts live where they are explained:
 - :mod:`uapplace.enforce.pause`: **pause** and **wake** (issue 12) and their undoing;
 - :mod:`uapplace.enforce.rollback`: the rollback, ``runningAfter``, ROLLBACK INCOMPLETE and
   the unattended-run alerts;
-- :mod:`uapplace.enforce.run`: the run's bookkeeping, result shapes and step names;
+- :mod:`uapplace.enforce.run`: the run's bookkeeping and result shapes (the step names:
+  :mod:`uapplace.core.steps`);
 - :mod:`uapplace.enforce.journaling`: the journal record written before each unit change;
 - :mod:`uapplace.files.timeouts`: how long each step may wait.
 
@@ -44,18 +45,18 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from uapplace.core.errors import Busy, InvalidArgument, NotFound
+from uapplace.controller.ports import Signature
+from uapplace.core.admission import chosen_option
+from uapplace.core.errors import Busy
 from uapplace.core.model import DEFAULT_CELLS, PendingEntry
+from uapplace.core.steps import PREFLIGHT, UNEXPECTED
 from uapplace.enforce import pause as enforce_pause
 from uapplace.enforce import revalidate, rollback
 from uapplace.enforce import steps as enforce_steps
 from uapplace.enforce.host import EnforcementHost, ProxyRefresher
 from uapplace.enforce.journaling import journal_clear
 from uapplace.enforce.run import (
-    PREFLIGHT,
-    UNEXPECTED,
     EnforcementResult,
-    ExpectedVictims,
     Run,
     RunContext,
     StepFailed,
@@ -66,7 +67,7 @@ from uapplace.enforce.run import (
 )
 from uapplace.files.journal import Journal
 from uapplace.files.timeouts import Timeouts
-from uapplace.io.counters import DaemonCounters, run_outcome
+from uapplace.io.counters import run_outcome
 from uapplace.io.seams import HTTP_ENGINES, EngineProbe, UnitControl
 from uapplace.publish.unitsync import EnforcementMarks
 
@@ -139,48 +140,39 @@ class Enforcer:
 
     async def apply(
         self,
-        entry: PendingEntry | str,
+        entry: PendingEntry,
         option: int,
-        expected: ExpectedVictims | None = None,
+        expected: Signature | None = None,
         *,
         wait: bool = False,
         origin: str | None = None,
     ) -> dict[str, Any]:
         """Enforce option ``option`` (1-based) of a pending entry.
 
-        ``expected`` is the approval signature (``model/config`` of every victim,
-        or objects with ``.signature``); ``None`` compares against the victims of
-        the stored option the index names, i.e. what ``ListPending`` showed.
-        Raises ``NotFound``/``InvalidArgument`` for a bad id or index, ``Drifted``
+        ``expected`` is the approval signature (``model/config`` of every victim);
+        ``None`` compares against the victims of the stored option the index names,
+        i.e. what ``ListPending`` showed. Raises ``InvalidArgument`` for a bad index, ``Drifted``
         when revalidation refuses, ``Busy`` when another run is in progress and
         ``wait`` is false. Returns the result JSON otherwise (``ok`` false after a
         preflight refusal or a rollback). ``origin`` names an unattended caller
         (``"notification"``, ``"auto"``): its failure also raises an alert.
         """
-        found = self._entry(entry)
-        if not found.options:
-            raise InvalidArgument(f"placement {found.id} has no options; nothing can be applied")
-        if not 1 <= option <= len(found.options):
-            raise InvalidArgument(
-                f"option {option} is out of range: placement {found.id} has options "
-                f"1..{len(found.options)}"
-            )
-        approved = found.options[option - 1]
+        approved = chosen_option(entry, option)
         signature = normalize_signature(expected)
         if signature is None:
             signature = approved.signature
-        what = f"apply {found.id} option {option} ({option_text(approved)})"
+        what = f"apply {entry.id} option {option} ({option_text(approved)})"
 
         async def target(run: Run) -> Target:
-            return await revalidate.option_target(self.host, run, found, approved, signature)
+            return await revalidate.option_target(self.host, run, entry, approved, signature)
 
-        result = await self._enforce(what, target, found.id, wait, origin)
+        result = await self._enforce(what, target, entry.id, wait, origin)
         return result.to_json()
 
     async def load(
         self,
         model: str,
-        expected: ExpectedVictims,
+        expected: Signature,
         *,
         cells: int = DEFAULT_CELLS,
         wait: bool = False,
@@ -200,7 +192,7 @@ class Enforcer:
         return result.to_json()
 
     async def unload(
-        self, model: str, expected: ExpectedVictims, *, wait: bool = False
+        self, model: str, expected: Signature, *, wait: bool = False
     ) -> dict[str, Any]:
         """Stop every resident serving ``model`` (drain first, rollback on failure).
 
@@ -216,14 +208,6 @@ class Enforcer:
         return result.to_json()
 
     # ------------------------------------------------------------------ the run
-
-    def _entry(self, entry: PendingEntry | str) -> PendingEntry:
-        if isinstance(entry, PendingEntry):
-            return entry
-        found = self.host.pending(entry)
-        if found is None:
-            raise NotFound(f"no pending placement {entry} (it may have expired or been resolved)")
-        return found
 
     async def _enforce(
         self,
@@ -257,10 +241,8 @@ class Enforcer:
 
     def _count_run(self, run: Run, verb: str, outcome: str) -> None:
         """The daemon's run counters (issue 13: ``/metrics`` counts every run, whoever
-        started it). Only hosts that keep counters have ``counters``."""
-        counters = getattr(getattr(self.host, "controller", None), "counters", None)
-        if isinstance(counters, DaemonCounters):
-            counters.run_finished(run.run_id, verb, outcome)
+        started it)."""
+        self.host.run_finished(run.run_id, verb, outcome)
 
     async def _sequence(
         self, run: Run, target: Target, placement_id: str | None

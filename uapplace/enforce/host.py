@@ -20,7 +20,6 @@ from uapplace.core.model import (
     DeviceReading,
     Holder,
     Model,
-    PendingEntry,
     Plan,
     Registry,
     Resident,
@@ -53,8 +52,6 @@ class EnforcementHost(Protocol):
     def residents(self) -> Sequence[Resident]:
         """The residents now, without holders."""
         ...
-
-    def pending(self, placement_id: str) -> PendingEntry | None: ...
 
     async def plan_for(self, model: str, cells: int) -> Plan:
         """The planner's options for ``model`` now: fresh readings, the residents with
@@ -97,6 +94,10 @@ class EnforcementHost(Protocol):
         """One ``EnforcementStep`` signal."""
         ...
 
+    def run_finished(self, run_id: str, verb: str, outcome: str) -> None:
+        """Count a run that ended (``GetState.counters``: every run, whoever started it)."""
+        ...
+
 
 class ProxyRefresher(Protocol):
     """The proxy's cache of upstreams, invalidated by the ``refresh-proxy`` step after a
@@ -120,6 +121,7 @@ class ControllerHost:
         self.alert_board = controller.alert_board
         """The controller's board: it records, signals, notifies and persists."""
         self.emit_step = controller.emit_step
+        self.run_finished = controller.counters.run_finished
         self.read_devices = controller.read_devices
         self.plan_for = controller.plan_for
         self.service_policy = controller.service_policy
@@ -131,9 +133,6 @@ class ControllerHost:
 
     def residents(self) -> Sequence[Resident]:
         return tuple(self.controller.residents)
-
-    def pending(self, placement_id: str) -> PendingEntry | None:
-        return self.controller.live_pending_entry(placement_id)
 
     async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
         """Unknown counts as busy; a 401 is not "unknown": the drain stops on it."""

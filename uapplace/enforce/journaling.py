@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from uapplace.enforce.run import PAUSE, ROLLBACK_STEPS, Run, RunContext, Target
+from uapplace.core.steps import PAUSE, ROLLBACK_STEPS
+from uapplace.enforce.run import Run, RunContext, Target
 from uapplace.files.journal import JournalError, RunRecord
 
 log = logging.getLogger(__name__)

@@ -27,15 +27,11 @@ import logging
 import time
 
 from uapplace.core.model import Config, Model, Resident
+from uapplace.core.steps import PAUSE, ROLLBACK_SLEEP, ROLLBACK_WAKE, VERIFY_UP, WAKE
 from uapplace.core.topology import verify_endpoint
 from uapplace.core.victims import config_of
 from uapplace.enforce.journaling import journal_step
 from uapplace.enforce.run import (
-    PAUSE,
-    ROLLBACK_SLEEP,
-    ROLLBACK_WAKE,
-    VERIFY_UP,
-    WAKE,
     Restore,
     Run,
     RunContext,

@@ -23,11 +23,11 @@ from uapplace.core.model import (
     Resident,
 )
 from uapplace.io.units import (
+    DOWN_STATES,
     UnitState,
     state_text,
     units_of,
 )
-from uapplace.publish.verify import DOWN_STATES
 
 log = logging.getLogger(__name__)
 

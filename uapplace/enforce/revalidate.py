@@ -29,10 +29,10 @@ from uapplace.core.model import (
     ResidentState,
     resident_key,
 )
+from uapplace.core.steps import REVALIDATE
 from uapplace.core.unitnames import unit_file_name, valid_unit_name
 from uapplace.enforce.host import EnforcementHost
 from uapplace.enforce.run import (
-    REVALIDATE,
     Run,
     Target,
     option_text,
@@ -248,7 +248,8 @@ def _check_victim_units(run: Run, victims: Iterable[Resident]) -> None:
             run,
             Failed(
                 f"{', '.join(unitless)} run without a systemd unit: enforcement cannot "
-                "stop them (spec §8: no unit is a distinct state, never zero cost)"
+                "stop them (no unit is a distinct state, never zero cost: "
+                "docs/placement-rules.md §8)"
             ),
         )
 

@@ -18,7 +18,7 @@ again) is raised everywhere: a critical ``rollback_incomplete`` alert per
 device (``host.alert_board.raise_alert``: ``GetState.alerts``, ``AlertRaised``, the
 critical notification, ``uapplace status``) naming what could not be restored
 and why, and the pending entry the run applied is resolved ``failed`` so its
-parked clients fall back at once (spec §4.6 step 7). After a complete
+parked clients fall back at once (docs/placement-rules.md §4.6 step 8). After a complete
 rollback the entry stays pending: the machine is as before and the operator
 may pick another option. An unattended run (``wait=True``: the auto runner and
 the idle sweep; or ``origin`` given, e.g. a notification click) that fails or
@@ -35,17 +35,19 @@ from dataclasses import replace
 
 from uapplace.core.alerts import AlertKind, Severity
 from uapplace.core.model import Resident, resident_key
-from uapplace.enforce.journaling import journal_step
-from uapplace.enforce.pause import resleep, rewake_victims
-from uapplace.enforce.run import (
-    FAILED_OUTCOME,
+from uapplace.core.steps import (
     ROLLBACK_CLEAR,
-    ROLLBACK_INCOMPLETE,
     ROLLBACK_SLEEP,
     ROLLBACK_START,
     ROLLBACK_STOP,
     ROLLBACK_VERIFY,
     ROLLBACK_WAKE,
+)
+from uapplace.enforce.journaling import journal_step
+from uapplace.enforce.pause import resleep, rewake_victims
+from uapplace.enforce.run import (
+    FAILED_OUTCOME,
+    ROLLBACK_INCOMPLETE,
     ROLLED_BACK,
     EnforcementResult,
     Restore,
@@ -57,7 +59,7 @@ from uapplace.enforce.run import (
     paused_resident,
 )
 from uapplace.files.timeouts import UpBound
-from uapplace.io.units import outcome_text, state_text, unit_of
+from uapplace.io.units import DOWN_STATES, outcome_text, state_text, unit_of
 from uapplace.publish import verify
 
 # --------------------------------------------------------------------------- the rollback
@@ -127,7 +129,7 @@ async def _stop_started(ctx: RunContext, run: Run, target: Target, restore: Rest
     outcome = await ctx.units.stop_unit(unit, ctx.timeouts.stop_s)
     state = await ctx.follower.fresh(unit)
     job = outcome_text(outcome)
-    if state is not None and state.active_state in verify.DOWN_STATES:
+    if state is not None and state.active_state in DOWN_STATES:
         seen = "does not exist" if state.load_state == "not-found" else f"is {state_text(state)}"
         run.record(
             ROLLBACK_STOP,
@@ -258,7 +260,7 @@ async def running_after(ctx: RunContext, target: Target) -> tuple[RunningAfter, 
             out.append(RunningAfter(model, config, device, None, "published, no unit"))
             continue
         state = await ctx.follower.fresh(unit)
-        if state is not None and state.active_state in verify.DOWN_STATES:
+        if state is not None and state.active_state in DOWN_STATES:
             continue
         text = state_text(state) if state is not None else "state unknown"
         out.append(RunningAfter(model, config, device, unit, text))

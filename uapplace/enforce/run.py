@@ -1,12 +1,11 @@
 """One enforcement run's bookkeeping, the shapes of its result, and what its steps share.
 
-Owned here: the step names (the ``EnforcementStep`` signal and the result's
-``steps`` use them), :class:`StepRecord`, :class:`EnforcementResult` and
-:class:`RunningAfter` (CONTRACT.md §4); :class:`Run` (what a run touched, so the
-rollback knows what to undo), :class:`Target` (what it does, once revalidated),
-:class:`Restore` (what a rollback could not put back); the approval signature
-(:func:`normalize_signature`); and :class:`RunContext`, the collaborators every
-step receives.
+Owned here (the step names are :mod:`uapplace.core.steps`'s): :class:`StepRecord`,
+:class:`EnforcementResult` and :class:`RunningAfter` (docs/http-contract.md §4); :class:`Run`
+(what a run touched, so the rollback knows what to undo), :class:`Target` (what it
+does, once revalidated), :class:`Restore` (what a rollback could not put back); the
+approval signature (:func:`normalize_signature`); and :class:`RunContext`, the
+collaborators every step receives.
 
 Why a context object and plain step functions rather than one class with
 mixins: a step needs the host, the units, the engines, the timeouts and the
@@ -25,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
+from uapplace.controller.ports import Signature
 from uapplace.core.alerts import AlertKind, Severity
 from uapplace.core.errors import Drifted
 from uapplace.core.model import (
@@ -54,32 +54,6 @@ from uapplace.publish.unitsync import EnforcementMarks
 
 log = logging.getLogger(__name__)
 
-REVALIDATE = "revalidate"
-PREFLIGHT = "preflight"
-MARK_DRAINING = "mark-draining"
-DRAIN = "drain"
-STOP = "stop"
-VERIFY_FREE = "verify-free"
-START = "start"
-VERIFY_UP = "verify-up"
-REFRESH_PROXY = "refresh-proxy"
-RESOLVE = "resolve"
-ROLLBACK_STOP = "rollback-stop"
-ROLLBACK_START = "rollback-start"
-ROLLBACK_VERIFY = "rollback-verify"
-ROLLBACK_CLEAR = "rollback-clear"
-PAUSE = "pause"
-"""A victim's engine put to sleep (vLLM ``POST /sleep``) instead of its unit stopped."""
-WAKE = "wake"
-"""A paused resident's engine woken (``POST /wake_up``) instead of a unit started."""
-ROLLBACK_SLEEP = "rollback-sleep"
-ROLLBACK_WAKE = "rollback-wake"
-UNEXPECTED = "unexpected-error"
-"""The step recorded when something raised mid-run outside any step's own checks."""
-ROLLBACK_STEPS = frozenset({ROLLBACK_STOP, ROLLBACK_START, ROLLBACK_SLEEP, ROLLBACK_WAKE})
-"""The undoing steps: a journal that cannot be written never holds them back
-(:func:`uapplace.enforce.journaling.journal_step`)."""
-
 ROLLED_BACK = "rolled back"
 ROLLBACK_INCOMPLETE = "ROLLBACK INCOMPLETE"
 APPLIED = "applied"
@@ -102,7 +76,7 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class EnforcementResult:
-    """CONTRACT.md §4: ``{ok, placementId, steps, rolledBack?, error?}`` (+ ``runId``)."""
+    """docs/http-contract.md §4: ``{ok, placementId, runId, steps, rolledBack?, error?}``."""
 
     ok: bool
     run_id: str
@@ -412,16 +386,8 @@ def paused_resident(registry: Registry, victim: Resident) -> Resident:
 # --------------------------------------------------------------------------- the approval
 
 
-class _SignatureRef(Protocol):
-    @property
-    def signature(self) -> str: ...
-
-
-ExpectedVictims = Sequence[str] | Sequence[_SignatureRef]
-
-
-def normalize_signature(expected: ExpectedVictims | None) -> tuple[str, ...] | None:
-    """``["m/c", …]`` or objects with ``.signature`` → a sorted tuple; ``None`` stays.
+def normalize_signature(expected: Signature | None) -> tuple[str, ...] | None:
+    """``["m/c", …]`` → a sorted tuple; ``None`` stays.
 
     The signature is one type everywhere (bus ``as expected``, shim
     ``expected_victims``, notification buttons, auto and idle runs): the sorted
@@ -430,8 +396,7 @@ def normalize_signature(expected: ExpectedVictims | None) -> tuple[str, ...] | N
     """
     if expected is None:
         return None
-    out = [item if isinstance(item, str) else item.signature for item in expected]
-    return tuple(sorted(out))
+    return tuple(sorted(expected))
 
 
 def signature_drift(approved: tuple[str, ...], now: Iterable[str]) -> Drifted | None:

@@ -1,4 +1,4 @@
-"""The forward steps of the spec §4.6 sequence, after revalidation.
+"""The forward steps of the docs/placement-rules.md §4.6 sequence, after revalidation.
 
 Each step is a function ``step(ctx, run, target)`` (:class:`~uapplace.enforce.run.RunContext`,
 :class:`~uapplace.enforce.run.Run`, :class:`~uapplace.enforce.run.Target`): it
@@ -27,7 +27,7 @@ wake steps are :mod:`uapplace.enforce.pause`, the undoing ones :mod:`uapplace.en
 - **verify-free** waits until the device's free memory (the probe, not the
   ledger) covers the new config's cost and no victim PID holds memory there.
   On failure it names every compute process on the device that is not a
-  staying resident: the orphan case of spec §4.6 step 4.
+  staying resident: the orphan case of docs/placement-rules.md §4.6 step 4.
 - **start** and **verify-up**: the start job, then the unit active, ``/health``
   200 (polled from 50 ms with backoff; a unit that turns ``failed`` or
   ``inactive`` ends the wait at once), ``/v1/models`` serving the requested id
@@ -55,6 +55,17 @@ from uapplace.core.model import (
     processes_text,
     resident_key,
 )
+from uapplace.core.steps import (
+    DRAIN,
+    MARK_DRAINING,
+    PREFLIGHT,
+    REFRESH_PROXY,
+    RESOLVE,
+    START,
+    STOP,
+    VERIFY_FREE,
+    VERIFY_UP,
+)
 from uapplace.core.topology import verify_endpoint
 from uapplace.core.unitnames import unit_file_name
 from uapplace.enforce.journaling import journal_step
@@ -66,15 +77,6 @@ from uapplace.enforce.preflight import (
 )
 from uapplace.enforce.run import (
     APPLIED,
-    DRAIN,
-    MARK_DRAINING,
-    PREFLIGHT,
-    REFRESH_PROXY,
-    RESOLVE,
-    START,
-    STOP,
-    VERIFY_FREE,
-    VERIFY_UP,
     Run,
     RunContext,
     Target,

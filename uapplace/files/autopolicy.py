@@ -1,4 +1,4 @@
-"""Standing consent, part one: the auto-resolution policy file (spec §4.4.1).
+"""Standing consent, part one: the auto-resolution policy file (docs/placement-rules.md §4.4.1).
 
 The policy file ``$UAP_HOME/placement-auto.json`` (``UAP_PLACEMENT_AUTO``)::
 
@@ -49,7 +49,7 @@ from uapplace.files.jsonfile import ConfigFileError, atomic_write
 log = logging.getLogger(__name__)
 
 MIN_IDLE_WINDOW_S = 60
-"""Spec §4.4.2: under a minute the sweep would oscillate (unload, auto-load, unload)."""
+"""Under a minute the idle sweep would oscillate (docs/placement-rules.md §4.4.2)."""
 
 KNOBS = ("enabled", "allow_displace", "unload_idle_after_secs", "unload_allow")
 CHANGE_KEYS = frozenset(

@@ -1,4 +1,6 @@
-"""``config/capacity-policy.json`` and the ``uapplace validate`` cross-checks (spec §4.1).
+"""``config/capacity-policy.json`` and the ``uapplace validate`` cross-checks.
+
+docs/placement-rules.md §4.1.
 
 The capacity policy is owned by the operator's health tooling; the registry only
 *references* it (a model's ``service`` names a ``services[]`` entry) and must never
@@ -235,7 +237,7 @@ def validate(load: RegistryLoad, policy: CapacityPolicy | None) -> list[Finding]
     ``metricsMustMatch`` key the registry has no number for; a config that can never
     fit its device or the host; a ``gpuMinFreeMiB`` above what the device can ever
     have free with the config resident, or below the device's ``reserved_mib`` (the
-    placement layer uses ``reserved_mib``, never that floor: spec §4.1.1 point 4); no
+    placement layer uses ``reserved_mib``, never that floor: docs/placement-rules.md §4.1.1); no
     policy at all.
     """
     check = _Checker(load, policy)
@@ -271,7 +273,7 @@ def topology_findings(load: RegistryLoad) -> list[Finding]:
 
 
 def _trust_rules(check: _Checker) -> Iterator[Finding]:
-    """Whether each config's figures count on this machine (spec §4.1).
+    """Whether each config's figures count on this machine (docs/placement-rules.md §4.1).
 
     A config measured only in the repo file is a warning: legal, descriptive, and placed
     as unmeasured until ``uapplace measure`` records it locally. A local measurement

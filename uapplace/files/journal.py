@@ -22,7 +22,8 @@ fsync of the directory) in a worker thread, a few milliseconds per step. The
 file exists only while a run is in progress: :meth:`Journal.clear` removes it
 (and fsyncs the directory) when the run ends, whatever the outcome.
 
-Steps recorded (the names are the enforcement steps of :mod:`uapplace.enforce.enforcer`):
+Steps recorded (:data:`uapplace.core.steps.JournaledStep`, the enforcement steps of
+:mod:`uapplace.enforce.enforcer`):
 
 ==================  ============================================================
 ``stop``            about to stop the victims (nothing changed yet)
@@ -62,6 +63,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from uapplace.core.model import Resident, ResidentState, iso
+from uapplace.core.steps import ROLLBACK_STEPS, JournaledStep
 from uapplace.core.unitnames import valid_unit_name
 from uapplace.files.jsonfile import (
     ConfigFileError,
@@ -82,25 +84,6 @@ MAX_JOURNAL_BYTES = 1 << 20
 
 RunKind = Literal["apply", "load", "unload"]
 VictimAction = Literal["stop", "pause"]
-
-STEP_STOP = "stop"
-STEP_STOPPED = "verify-free"
-STEP_START = "start"
-STEP_STARTED = "verify-up"
-STEP_ROLLBACK_STOP = "rollback-stop"
-STEP_ROLLBACK_START = "rollback-start"
-STEP_PAUSE = "pause"
-STEP_WAKE = "wake"
-STEP_ROLLBACK_SLEEP = "rollback-sleep"
-STEP_ROLLBACK_WAKE = "rollback-wake"
-FORWARD_STEPS = (STEP_PAUSE, STEP_STOP, STEP_STOPPED, STEP_START, STEP_STARTED, STEP_WAKE)
-ROLLBACK_STEPS = (
-    STEP_ROLLBACK_STOP,
-    STEP_ROLLBACK_START,
-    STEP_ROLLBACK_SLEEP,
-    STEP_ROLLBACK_WAKE,
-)
-STEPS = (*FORWARD_STEPS, *ROLLBACK_STEPS)
 
 
 class JournalError(Exception):
@@ -243,18 +226,7 @@ class _RecordJson(_Strict):
     victims: list[_ResidentJson]
     new: _ResidentJson | None
     accepted_ids: list[str]
-    step: Literal[
-        "stop",
-        "verify-free",
-        "start",
-        "verify-up",
-        "rollback-stop",
-        "rollback-start",
-        "pause",
-        "wake",
-        "rollback-sleep",
-        "rollback-wake",
-    ]
+    step: JournaledStep
     started_at: str
     started_at_s: float = Field(allow_inf_nan=False)
     updated_at_s: float = Field(allow_inf_nan=False)

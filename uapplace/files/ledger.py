@@ -1,4 +1,4 @@
-"""The placement ledger, ``~/.uap/placement.json`` (spec §4.2).
+"""The placement ledger, ``~/.uap/placement.json`` (docs/placement-rules.md §4.2).
 
 The ledger records intent; the probe records fact. Every writer goes through
 :meth:`Ledger.update`: an exclusive ``fcntl.flock`` on ``placement.json.lock``,
@@ -7,7 +7,7 @@ a fresh re-read of the file, the change, then a temporary file + ``fsync`` +
 A reader therefore always sees a whole file and needs no lock; a stale view can
 never clobber a newer one. The file's schema is :mod:`uapplace.files.ledger_schema`.
 
-A file that is not valid JSON or not the §4.2 shape is moved aside to
+A file that is not valid JSON or not the docs/placement-rules.md §4.2 shape is moved aside to
 ``placement.json.corrupt-<UTC timestamp>`` (never overwritten, never deleted),
 :attr:`Ledger.last_error` says where it went, and work continues from an empty
 document. "The file as a whole" is judged strictly (:class:`LedgerFileError`): over
@@ -123,7 +123,7 @@ class LedgerDoc:
     residents: list[Resident] = field(default_factory=list)
     pending: list[PendingEntry] = field(default_factory=list)
     usage: dict[str, float] = field(default_factory=dict)
-    """Model → POSIX seconds of the last gated forward (spec §4.4.2)."""
+    """Model → POSIX seconds of the last gated forward (docs/placement-rules.md §4.4.2)."""
     cooldowns: dict[str, float] = field(default_factory=dict)
     """Model → POSIX seconds until which auto-load / idle-unload leave it alone."""
     alerts: list[Alert] = field(default_factory=list)
@@ -135,7 +135,7 @@ class LedgerDoc:
 
 
 class LedgerFormatError(ValueError):
-    """JSON that is not the spec §4.2 shape; the message names the JSON path."""
+    """JSON that is not the docs/placement-rules.md §4.2 shape; the message names the JSON path."""
 
 
 class LedgerFileError(ConfigFileError, LedgerFormatError):
@@ -183,7 +183,7 @@ def resident_to_json(resident: Resident) -> dict[str, Any]:
 
 
 def pending_to_json(entry: PendingEntry) -> dict[str, Any]:
-    """The spec §4.2 pending entry (ListPending adds ``recommended`` to it)."""
+    """The docs/placement-rules.md §4.2 pending entry (ListPending adds ``recommended`` to it)."""
     return {
         "id": entry.id,
         "requested_model": entry.requested_model,
@@ -199,7 +199,7 @@ def pending_to_json(entry: PendingEntry) -> dict[str, Any]:
 
 
 def doc_to_json(doc: LedgerDoc) -> dict[str, Any]:
-    """The spec §4.2 document."""
+    """The docs/placement-rules.md §4.2 document."""
     return {
         "version": doc.version,
         "updated_at": iso(doc.updated_at),

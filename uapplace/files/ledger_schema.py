@@ -1,4 +1,4 @@
-"""The ledger file's schema (spec §4.2) and its translation to the inside types.
+"""The ledger file's schema (docs/placement-rules.md §4.2) and its translation to the inside types.
 
 Pydantic models for ``placement.json`` and each of its items (devices, residents,
 pending entries with their options and victims, alerts), strict about what a file
@@ -10,10 +10,12 @@ functions that turn a validated item into the frozen dataclasses of
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 from uapplace.core.alerts import Alert, AlertKind, Severity
 from uapplace.core.model import (
@@ -73,7 +75,7 @@ class DeviceJson(StrictJson):
     processes: list[ProcessJson] = []
     uuid: str | None = None
     error: str | None = None
-    # The spec's example carries the registry's reserve next to the reading;
+    # The registry's reserve may come next to the reading (docs/placement-rules.md §4.2);
     # accepted, not kept (the registry is where it lives).
     reserved_mib: float | None = None
     headroom_mib: float | None = None
@@ -87,19 +89,37 @@ class HolderJson(StrictJson):
     cookie: int | None = None
 
 
-class ResidentJson(StrictJson):
-    model: str
-    config: str
-    device: str
-    engine: str
-    endpoint: str | None
-    unit: str | None
-    state: ResidentState
-    gpu_mib: float | None
-    host_rss_mib: float | None
-    since: IsoText
-    holders: list[HolderJson] = []
-    main_pid: int | None = None
+def schema_of(inside: type[Any], name: str, spelled: Mapping[str, tuple[Any, Any]]) -> Any:
+    """A file model with ``inside``'s fields (a :mod:`uapplace.core.model` dataclass): its
+    names, order, types and defaults, but for the fields in ``spelled``, each with the
+    file's ``(type, default)`` (``...``: required). The dataclass is the one list of fields.
+    """
+    fields = dataclasses.fields(inside)
+    unknown = set(spelled) - {f.name for f in fields}
+    if unknown:
+        raise TypeError(f"{name}: {sorted(unknown)} are not fields of {inside.__name__}")
+    hints = get_type_hints(inside)
+    definitions: dict[str, Any] = {
+        f.name: spelled.get(f.name)
+        or (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
+        for f in fields
+    }
+    return create_model(name, __base__=StrictJson, __module__=__name__, **definitions)
+
+
+if TYPE_CHECKING:  # what mypy sees: the fields typed code reads; the class is built below
+
+    class ResidentJson(StrictJson):
+        holders: list[HolderJson]
+
+else:
+    ResidentJson = schema_of(
+        Resident,
+        "ResidentJson",
+        {"since": (IsoText, ...), "holders": (list[HolderJson], [])},
+    )
+    """A resident as the file holds it: :class:`~uapplace.core.model.Resident`'s fields,
+    ``since`` an ISO-8601 UTC time, ``holders`` a list."""
 
 
 class VictimJson(StrictJson):
@@ -197,8 +217,8 @@ def holder_from(data: HolderJson) -> Holder:
 
 
 def reading_from(key: str, data: DeviceJson) -> DeviceReading:
-    """The reading under ``key``; the registry's ``reserved_mib``/``headroom_mib`` the spec's
-    example shows beside it are not kept (the registry is where they live)."""
+    """The reading under ``key``; the registry's ``reserved_mib``/``headroom_mib`` a document
+    may carry beside it (docs/placement-rules.md §4.2) are not kept (the registry owns them)."""
     fields = fields_of(data, leave_out=frozenset({"reserved_mib", "headroom_mib", "processes"}))
     processes = tuple(ProcessUsage(**fields_of(p)) for p in data.processes)
     return DeviceReading(key=key, processes=processes, **fields)

@@ -30,7 +30,7 @@ Knobs:
 ``UAPPLACE_TEST_CRASH_AT``  tests only: SIGKILL uapplaced right after the enforcement
                            journal records this step (crash-recovery tests)
 ``UAPPLACE_TEST_PENDING_TTL_S``  tests and bench only: pending entries live this many
-                           seconds instead of 120 (CONTRACT.md §1); ignored unless > 0
+                           seconds instead of 120 (docs/http-contract.md §1); ignored unless > 0
 =========================  ==================================================
 """
 
@@ -49,7 +49,7 @@ DEFAULT_SHIM_PORT = 3847
 DEFAULT_PROXY_URL = "http://127.0.0.1:4000"
 DEFAULT_SYSTEM_BUS_ADDRESS = "unix:path=/run/dbus/system_bus_socket"
 
-_REPO_CONFIG = Path(__file__).resolve().parent.parent / "config"
+_REPO_CONFIG = Path(__file__).resolve().parents[2] / "config"
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The model registry: repo + machine-local merge, provenance, which figures count here
-(spec §4.1, §9.1).
+(docs/placement-rules.md §4.1, §9.1).
 
 Two files describe the machine. ``config/model-registry.json`` (the repo) carries the
 shape: devices, models, config names, advertised ids, units. ``$UAP_HOME/model-registry.json``
@@ -178,7 +178,7 @@ def _identity(doc: MeasuredDeviceDoc | None) -> DeviceIdentity | None:
 def _untrusted(
     doc: MeasuredConfigDoc, origin: Provenance, src: _Sources, model_build: str | None
 ) -> str:
-    """Why a measured entry's figures do not count here (spec §4.1), or ``""``.
+    """Why a measured entry's figures do not count here (docs/placement-rules.md §4.1), or ``""``.
 
     Figures in the repo file describe some machine, not necessarily this one: only the
     machine-local file (written by ``uapplace measure`` or the operator) is a measurement
@@ -330,14 +330,16 @@ _TOTAL_MIB_SLACK = 1.0
 
 
 def gate_on_devices(load: RegistryLoad, readings: Mapping[str, DeviceReading]) -> RegistryLoad:
-    """Mark every local measurement taken on another device class as unknown (spec §4.1).
+    """Mark every local measurement taken on another device class as unknown.
+
+    docs/placement-rules.md §4.1: ``measured_on`` gates reuse of a figure.
 
     A config records the device it was measured on (``measured_device``: name, UUID,
     total MiB, as ``uapplace measure`` read them). When the probe now reads a different
     card under that key, the figures describe another machine: the config is untrusted
     (never loaded, never a victim by its figures) and a mismatch names the file and field.
 
-    Decisions where the spec is silent:
+    Decisions where docs/placement-rules.md is silent:
 
     - A device the probe cannot read now (absent) is not compared: nothing loads on it
       anyway, and the next reload compares again.

@@ -1,4 +1,4 @@
-"""The registry files' schema (spec §4.1): what a repo or machine-local registry may say.
+"""The registry files' schema (docs/placement-rules.md §4.1): what a repo or local registry may say.
 
 Pydantic models for both files (``RegistryDoc``, ``LocalRegistryDoc`` and their
 parts), the field types they share with the capacity policy (``UnitName``,
@@ -29,7 +29,7 @@ from uapplace.core.unitnames import UNIT_NAME_RE, valid_unit_name
 from uapplace.files.jsonfile import ConfigFileError
 
 DEVICE_KEY_RE = r"^[A-Za-z0-9_.-]+$"
-"""Device keys become the ``<device>:`` half of a proxy ``target_id`` (CONTRACT.md §1)."""
+"""Device keys become the ``<device>:`` half of a proxy ``target_id`` (docs/http-contract.md §1)."""
 _CONFIG_TAGS = ("measured", "unmeasured")
 
 
@@ -184,7 +184,7 @@ class MeasuredConfigDoc(_Doc):
     flags: list[str] = []
     unit: UnitName | None = None
     endpoint: Endpoint | None = None
-    # Diagnostics `measure` records alongside the footprint (spec §4.1.1); never in the cost.
+    # Diagnostics `measure` records (docs/placement-rules.md §4.1.1); never in the cost.
     expert_cache_mib: Mib | None = None
     arena_mib: Mib | None = None
     host_free_mib: Mib | None = None

@@ -1,7 +1,7 @@
 """How long each enforcement step may wait: the operator's file, the measured envelope.
 
-Timeouts (:class:`Timeouts`) are **unvalidated defaults** (spec §4.3: "the
-timeouts have an envelope nobody has measured"): conservative guesses until a
+Timeouts (:class:`Timeouts`) are **unvalidated defaults** (docs/placement-rules.md §4.3,
+"Timeouts before an envelope is measured"): conservative guesses until a
 planned switch on the real machine measures the envelope. Override any of them
 in ``$UAP_HOME/enforcement-timeouts.json`` (:meth:`Timeouts.load`). The
 verify-up wait comes from facts where the registry has them
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Timeouts:
     """Every wait of the sequence, in seconds. **Unvalidated defaults**: nobody has
-    measured this machine's teardown/start envelope yet (spec §4.3, §4.6)."""
+    measured this machine's teardown/start envelope yet (docs/placement-rules.md §4.3, §4.6)."""
 
     drain_s: float = 60.0
     """How long in-flight work and holds may take to finish before rolling back."""

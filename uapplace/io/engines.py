@@ -353,7 +353,7 @@ def token_mismatch_message(url: str, has_token: bool) -> str:
 
 
 class ProxyClient:
-    """The proxy's internal placement routes (CONTRACT.md §3)."""
+    """The proxy's internal placement routes (docs/http-contract.md §3)."""
 
     def __init__(
         self, base_url: str, token: str | None, timeout_s: float = PROXY_TIMEOUT_S
@@ -420,5 +420,8 @@ class ProxyClient:
         except ProxyTokenRejected as err:
             return str(err)
         if targets is None:
-            return f"GET {url}: no usable answer (proxy down, or not speaking CONTRACT §3)"
+            return (
+                f"GET {url}: no usable answer (proxy down, or not speaking "
+                "docs/http-contract.md §3)"
+            )
         return None

@@ -1,11 +1,11 @@
-"""Per-target rails: how many requests a target takes at once (spec §4.3, §9 phase 0 item 3).
+"""Per-target rails: how many requests a target takes at once (docs/placement-rules.md §4.3, §5).
 
-A *target* is a resident's ``<device>:<endpoint>`` (CONTRACT §1), the key of the
+A *target* is a resident's ``<device>:<endpoint>`` (docs/http-contract.md §1), the key of the
 proxy's per-target concurrency budget. Its rails come from two places that must
 agree, and a disagreement is surfaced, never silently resolved:
 
 - the registry's ``rails`` (the operator's declared figure, per model), and
-- the live engine, probed by engine kind (backend-aware, spec §5 item 3):
+- the live engine, probed by engine kind (backend-aware, docs/placement-rules.md §5 item 3):
 
   ============  ============================================================
   engine        sources, in order
@@ -13,9 +13,9 @@ agree, and a disagreement is surfaced, never silently resolved:
   llama.cpp     ``GET /slots`` (the number of slot objects) → ``GET /props``
                 ``total_slots`` (``/slots`` is off with ``--no-slots``)
   strata        ``GET /metrics`` ``rails``, else a ``slots`` gauge. Not
-                ``expert_slots``: spec §4.1.1 shows it is 7736 on a one-rail
-                server (expert-cache slots), although §4.1's example names it as
-                a ``rails_source``
+                ``expert_slots``: it is 7736 on a one-rail server (expert-cache
+                slots, docs/placement-rules.md §5 item 3), although a registry
+                may name it as its ``rails_source``
   vllm          ``GET /metrics``: a ``max_num_seqs`` sample or info label. Stock
                 vLLM exports none (``vllm:num_requests_running`` is load, not
                 capacity; ``vllm:cache_config_info`` carries cache settings
@@ -31,14 +31,14 @@ Probe states (:class:`ProbeState`): ``ok`` (a live number), ``probe_failed``
 not what the route serves), ``unsupported`` (the engine answered but has no
 rail source: ``/slots`` 404/405/501 and no ``total_slots``; vLLM without the
 metric), ``not_probed`` (no endpoint to ask). A failed probe is never read as
-one rail: that is the bug spec §9 item 3 names (``DEFAULT_SLOTS`` standing in for
-a failed probe).
+one rail: that is the bug docs/placement-rules.md §5 item 3 names (a default rail count
+standing in for a failed probe).
 
-The effective figure (:attr:`TargetRails.rails`) is decided here, where the
-spec is silent: with both numbers, the **smaller** one, so a disagreement never
-overflows a target (two requests handed to a one-rail Strata is the overflow
-the spec warns about; one request at a time on a two-slot llama.cpp only
-throttles), with ``agrees: false`` shown and ``validate`` warning; with one
+The effective figure (:attr:`TargetRails.rails`) is decided here, where
+docs/placement-rules.md is silent: with both numbers, the **smaller** one, so a
+disagreement never overflows a target (two requests handed to a one-rail Strata is
+the overflow of docs/placement-rules.md §4.3; one request at a time on a two-slot
+llama.cpp only throttles), with ``agrees: false`` shown and ``validate`` warning; with one
 number, that one; with none, ``None`` — the proxy's gate then runs that target
 one request at a time (:class:`uapplace.gate.TargetSemaphores`), and every
 surface shows the state rather than a made-up ``1``.

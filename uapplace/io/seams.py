@@ -7,7 +7,7 @@ never call systemd or an engine's HTTP routes directly: they receive a
 :class:`EngineProbe` (the real one is :class:`HttpEngines`, over
 :mod:`uapplace.io.engines`). Wiring (:mod:`uapplace.daemon.wiring`) passes the real ones;
 the unit tier passes in-memory fakes, so every success and rollback branch of
-the §4.6 sequence runs in milliseconds without a user manager or an engine.
+the docs/placement-rules.md §4.6 sequence runs in milliseconds without a user manager or engine.
 
 One definition of each, here, so that enforcement and recovery cannot drift
 apart in what they assume of a unit manager or an engine.

@@ -111,6 +111,18 @@ class UnitState:
     load_error: str = ""
 
 
+# What an ``ActiveState`` means to us: the one definition of each set of unit states.
+DOWN_STATES = frozenset({"inactive", "failed"})
+"""Nothing runs: the unit's memory is (or is being) given back; ends any wait for it to turn
+healthy."""
+STARTING_STATES = frozenset({"activating"})
+"""Being started: not serving yet."""
+RUNNING_STATES = frozenset({"active", "reloading"})
+"""Running (a reload does not stop it): unit sync keeps, or publishes, its resident."""
+RUNNING_OR_STARTING_STATES = RUNNING_STATES | STARTING_STATES
+"""Holding, or taking, its memory: what crash recovery calls up."""
+
+
 def state_text(state: UnitState) -> str:
     """``active/sub`` plus a non-success result: how steps and alerts name a unit's state."""
     text = f"{state.active_state}/{state.sub_state}"

@@ -25,7 +25,7 @@ from uapplace.core.unitnames import unit_file_name
 from uapplace.files.paths import Paths
 from uapplace.files.registry_write import write_local_envelope
 from uapplace.io import engines
-from uapplace.io.units import UnitError
+from uapplace.io.units import DOWN_STATES, UnitError
 from uapplace.measure.reading import EngineReader, EngineReading, MeasurementRefused
 from uapplace.publish import verify
 
@@ -186,7 +186,7 @@ class EnvelopeMeasurer:
         deadline = started + self.bound_s
         while True:
             state = await self.units.state(unit)
-            if state.active_state in ("failed", "inactive"):
+            if state.active_state in DOWN_STATES:
                 return f"{unit} is {state.active_state}/{state.sub_state}"
             if state.active_state == "active":
                 verdict = await verify.check(endpoint, expect, self.reader.http_s)

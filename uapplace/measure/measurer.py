@@ -1,4 +1,4 @@
-"""Footprints from the live engine (spec §4.1.1): ``uapplace measure <model> [config]``.
+"""Footprints from the live engine (docs/placement-rules.md §4.1.1): ``uapplace measure <model>``.
 
 The engine must be running under its registry unit, loaded and idle. From its
 unit's cgroup PIDs:
@@ -21,7 +21,7 @@ with ``measured_on``, ``measured_at`` and the host free RAM seen
 ``total − free − Σ(GPU memory of uapplace backends)``: whatever no backend
 accounts for, graphics memory included, attributed to a PID or not.
 
-Refused, with the reason, and nothing written (spec §4.1.1):
+Refused, with the reason, and nothing written (docs/placement-rules.md §4.1.1):
 
 - the unit is not running, or not healthy yet;
 - engine PID not found: the unit has no process, or none of its processes
@@ -356,7 +356,8 @@ def _device_identity(reading: DeviceReading) -> dict[str, Any]:
     """The card the figures were taken on (name, UUID, total MiB), for ``measured_on``.
 
     The registry compares it with the live probe at every load: a measurement taken on
-    another device class counts as unknown (spec §4.1 "``measured_on`` gates reuse").
+    another device class counts as unknown (docs/placement-rules.md §4.1: ``measured_on`` gates
+    reuse).
     """
     identity: dict[str, Any] = {"total_mib": round(reading.total_mib)}
     if reading.uuid:

@@ -154,7 +154,7 @@ def _host_for_cpu_engine(
     Recorded as CPU only when every GPU can be read (an unreadable one might hold the
     engine's memory) and the config was not last measured on a GPU (a GPU engine whose
     per-process memory the driver stopped reporting must not turn into a free one).
-    Decision where the spec is silent (issue 12's CPU tier).
+    Decision where docs/placement-rules.md is silent (issue 12's CPU tier).
     """
     absent = [f"{k}: {r.error}" for k, r in readings.items() if r.source is ProbeSource.ABSENT]
     if absent:

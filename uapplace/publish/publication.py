@@ -1,5 +1,5 @@
 """Publication: a resident is published ``hot`` only once its engine passes the check
-(DESIGN.md §5a invariant 2).
+(docs/invariants.md, invariant 2).
 
 :func:`verify_until_ok` is the loop both publishers run:
 :class:`~uapplace.publish.unitsync.UnitSync`

@@ -1,5 +1,5 @@
 """Residents follow the systemd units, whoever starts or stops them; nothing is
-published before it is verified (DESIGN.md §5a invariants 2 and 5).
+published before it is verified (docs/invariants.md, invariants 2 and 5).
 
 :class:`UnitSync` listens to :meth:`UnitManager.on_change` for every unit the
 registry names and turns unit states into resident states:
@@ -78,14 +78,18 @@ from uapplace.core.model import (
 )
 from uapplace.core.unitnames import unit_file_name
 from uapplace.io import engines
-from uapplace.io.units import UnitError, UnitManager, UnitState, state_text
+from uapplace.io.units import (
+    DOWN_STATES,
+    RUNNING_STATES,
+    STARTING_STATES,
+    UnitError,
+    UnitManager,
+    UnitState,
+    state_text,
+)
 from uapplace.publish.publication import ResidentSink, verify_until_ok
 
 log = logging.getLogger(__name__)
-
-_UP = frozenset({"active", "reloading"})
-_DOWN = frozenset({"inactive", "failed"})
-_STARTING = frozenset({"activating"})
 
 
 class EnforcementMarks:
@@ -286,7 +290,7 @@ class UnitSync:
                 self._drop_with_alert(resident, f"its unit {unit} is not in the registry")
             elif (
                 unit in states
-                and states[unit].active_state in _DOWN
+                and states[unit].active_state in DOWN_STATES
                 and not self.marks.is_draining(resident_key(resident))  # else a run reports
             ):
                 state = state_text(states[unit])
@@ -359,7 +363,7 @@ class UnitSync:
         if unit not in registry_units(self.host.registry()):
             return
         active = state.active_state
-        if active in _DOWN:
+        if active in DOWN_STATES:
             self._stop_watching(unit)
             for gone in self._residents_of(unit):
                 if active == "failed" and not self.marks.is_draining(resident_key(gone)):
@@ -367,7 +371,7 @@ class UnitSync:
                 else:
                     self.host.drop_resident(gone)
             return
-        if active not in _UP and active not in _STARTING:
+        if active not in RUNNING_STATES and active not in STARTING_STATES:
             return  # deactivating, or a state systemd may add: leave the resident as it is
         if self.marks.expected_for_unit(unit) is not None:
             # An enforcement run is starting this unit: its verify-up (the same
@@ -377,7 +381,7 @@ class UnitSync:
         resident = self._resident_for(unit, state)
         if resident is None:
             return
-        if active in _STARTING:
+        if active in STARTING_STATES:
             self._stop_watching(unit)
             self._publish(replace(resident, state=ResidentState.WARMING))
             return

@@ -1,4 +1,4 @@
-"""The one publication check (DESIGN.md §5a invariant 2): may admission forward here?
+"""The one publication check (docs/invariants.md, invariant 2): may admission forward here?
 
 An engine is *published* (its resident ``hot``, the only state admission
 forwards to) only after this check passed for it in this daemon's life:
@@ -39,10 +39,8 @@ from uapplace.core.model import Config, Model
 from uapplace.files.capacity import ServicePolicy
 from uapplace.io import engines
 from uapplace.io.seams import HTTP_ENGINES, EngineProbe
-from uapplace.io.units import UnitState, state_text
+from uapplace.io.units import DOWN_STATES, UnitState, state_text
 
-DOWN_STATES = frozenset({"failed", "inactive"})
-"""Unit states that end any wait for the unit to turn healthy."""
 HEALTH_BACKOFF = 1.5
 """Growth of the pause between two ``/health`` polls in :func:`wait_up`."""
 

@@ -33,14 +33,18 @@ from uapplace.files.capacity import ServicePolicy
 from uapplace.files.journal import RunRecord
 from uapplace.io import engines
 from uapplace.io.seams import EngineProbe, UnitControl
-from uapplace.io.units import UnitState, state_text, unit_of
+from uapplace.io.units import (
+    DOWN_STATES,
+    RUNNING_OR_STARTING_STATES,
+    UnitState,
+    state_text,
+    unit_of,
+)
 from uapplace.publish import verify
 
 if TYPE_CHECKING:
     from uapplace.files.timeouts import Timeouts, UpBound
 
-_UP = frozenset({"active", "activating", "reloading"})
-_DOWN = frozenset({"inactive", "failed"})
 FIRST_POLL_S = 0.05
 MAX_POLL_S = 0.5
 
@@ -190,7 +194,7 @@ class RunChecks:
             ready = True
             if unit is not None:
                 state = await self.state(unit)
-                if state.active_state in _DOWN:
+                if state.active_state in DOWN_STATES:
                     return f"{unit} is {state_text(state)}"
                 ready = state.active_state == "active"
                 last = f"unit {state_text(state)}"
@@ -224,12 +228,12 @@ class RunChecks:
 
 def is_up(state: UnitState) -> bool:
     """Active, activating or reloading: the unit holds (or is taking) its memory."""
-    return state.active_state in _UP
+    return state.active_state in RUNNING_OR_STARTING_STATES
 
 
 def is_down(state: UnitState) -> bool:
     """Inactive or failed: the unit's memory is (or is being) given back."""
-    return state.active_state in _DOWN
+    return state.active_state in DOWN_STATES
 
 
 def _room_problem(reading: DeviceReading | None, device: str, need: float) -> str | None:

@@ -21,7 +21,7 @@ the probe (free memory before a victim is restarted), acts by the table below,
 raises one alert naming the run and what was done, removes the journal, and
 re-plans every pending entry (no option computed before the crash survives).
 
-Principles (DESIGN §5a): never leave a device emptier than before the run when a
+Principles (docs/invariants.md): never leave a device emptier than before the run when a
 victim can be restarted; never publish the new unit before it passed verify-up;
 never two residents on one device over its budget (the new unit must be seen
 down before a victim starts, a victim seen up means the new unit stops).
@@ -88,7 +88,7 @@ resident); its unit found down, it is dropped and the victims are rolled back. A
 wake run cut short before its ``wake`` step (``pause``/``stop``/``verify-free``)
 never sent the wake: row 14 at once, without waiting a wake bound.
 
-Decisions where the spec is silent:
+Decisions where docs/invariants.md is silent:
 
 - A run cut short before the new unit started (journal ``stop``/``verify-free``/
   ``start`` with the new unit down) is rolled back, not finished: the operator's

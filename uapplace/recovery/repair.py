@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 
 from uapplace.core.alerts import AlertKind
 from uapplace.core.model import Registry, Resident, ResidentState, resident_key
+from uapplace.core.steps import PAUSE, STOP, VERIFY_FREE
 from uapplace.core.victims import config_of
 from uapplace.enforce.run import paused_resident
-from uapplace.files.journal import STEP_PAUSE, STEP_STOP, STEP_STOPPED, RunRecord
+from uapplace.files.journal import RunRecord
 from uapplace.io import engines
 from uapplace.io.seams import EngineProbe, UnitControl
 from uapplace.io.units import outcome_text, state_text, unit_of
@@ -98,7 +99,7 @@ class Repair:
             self._drop_if_published(twin)
             self.actions.append(f"{twin.signature}'s unit {unit} is down: no longer resident")
         elif twin.endpoint is not None:
-            if self.record.step in (STEP_PAUSE, STEP_STOP, STEP_STOPPED):
+            if self.record.step in (PAUSE, STOP, VERIFY_FREE):
                 # The wake was never sent: nothing to verify (nor to wait a wake bound for).
                 why_not: str | None = (
                     f"the run was cut short at {self.record.step}, before the wake"

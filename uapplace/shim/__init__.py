@@ -1,4 +1,4 @@
-"""``uapplace-shim``: the loopback HTTP face of ``uapplaced`` (CONTRACT.md §1 and §4).
+"""``uapplace-shim``: the loopback HTTP face of ``uapplaced`` (docs/http-contract.md §1, §4, §5).
 
 The UAP proxy asks a *placement controller* over HTTP; pointing its
 ``PROXY_PLACEMENT_CONTROLLER`` at this shim makes ``uapplaced`` that controller.
@@ -8,6 +8,10 @@ the hot path, goes over uapplaced's Admit-only peer-to-peer socket
 (``$XDG_RUNTIME_DIR/uapplace/bus``, :mod:`uapplace.bus.peer`) once the shim has
 checked that the process listening there owns ``org.uap.Placement1`` on its bus;
 otherwise (or with ``--no-peer``) over the bus too.
+
+May import: ``core``, ``files``, ``bus``, ``io``. Never the daemon or its machinery
+(the controller, enforcement, recovery, publication, measuring, consent), nor the
+ledger, the journal or unit control: the shim holds no placement state.
 
 Routes (``GET /openapi.json`` describes each one with its schemas), each with
 its bus call and who may call it:

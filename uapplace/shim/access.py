@@ -73,7 +73,7 @@ def origin_is_loopback(origin: str) -> bool:
 
 
 def require_json(request: web.Request) -> None:
-    """Admit takes ``application/json`` only (CONTRACT §1: the proxy sends JSON).
+    """Admit takes ``application/json`` only (docs/http-contract.md §1: the proxy sends JSON).
 
     A browser can send ``text/plain``, form types or no type at all cross-site
     without a CORS preflight; ``application/json`` it cannot, so this and the

@@ -1,5 +1,6 @@
 """What the shim accepts in a request: the body read within its size and time limits, and
-the parsed shapes (pydantic models for the operator routes, CONTRACT §1's lenient admit).
+the parsed shapes (pydantic models for the operator routes; admit's lenient parse,
+docs/http-contract.md §1).
 
 Used by :mod:`uapplace.shim.handlers` for every route that takes input, and by
 :mod:`uapplace.shim.openapi` (the operator bodies' schemas come from these models,
@@ -97,7 +98,7 @@ MISSING_SIGNATURE = (
 
 
 def signature_of(refs: list[VictimRefBody] | None) -> list[str]:
-    """CONTRACT §4 ``expected_victims`` → the bus signature (``model/config`` strings).
+    """``expected_victims`` (docs/http-contract.md §4) → the bus signature (``model/config``).
 
     Omitted means "approve stopping nothing" (``[]``), never "skip the check": a
     call that would stop something then comes back ``Drifted`` (409), and the
@@ -147,7 +148,7 @@ class AdmitRequest:
 
 
 def parse_admit(payload: Mapping[str, Any]) -> AdmitRequest:
-    """CONTRACT §1's body, leniently where the contract is lenient (``cells``)."""
+    """The body of docs/http-contract.md §1, leniently where the contract is lenient (``cells``)."""
     model_id = payload.get("model_id")
     if model_id is None or model_id == "":
         raise HttpError(400, "missing model_id")

@@ -2,7 +2,7 @@
 
 Request schemas of the operator routes come from the shim's own pydantic body
 models, so the document and the validation cannot drift apart; admit's body is
-written out because its rules are deliberately lenient (CONTRACT.md §1).
+written out because its rules are deliberately lenient (docs/http-contract.md §1).
 Built on request by :meth:`uapplace.shim.handlers.Shim.openapi` from the route
 table and :data:`uapplace.shim.bodies.OPERATOR_BODIES`.
 """
@@ -216,7 +216,8 @@ def openapi_document(
         "servers": [{"url": "http://127.0.0.1:3847"}],
         "paths": {
             routes["admit"]: _post(
-                "Forward or park one request (CONTRACT.md §1); loopback peers only, no token",
+                "Forward or park one request (docs/http-contract.md §1); loopback peers only, "
+                "no token",
                 "AdmitRequest",
                 _ref("AdmitResponse"),
                 (400, 403, 413, 503),

@@ -1,4 +1,6 @@
-"""A fake llama.cpp-like engine for tests and ``uapplace demo`` (DESIGN.md §7).
+"""A fake llama.cpp-like engine for tests and ``uapplace demo``.
+
+docs/architecture.md ("Simulated GPU and fake engine").
 
 ::
 
@@ -62,7 +64,7 @@ Failure injection: ``--fail-at-start`` exits 1 before claiming anything;
 route answer 500 with a non-JSON body, a probe that fails rather than one the
 engine does not support.
 
-``--orphan`` reproduces spec §4.6 step 4 (a server started outside systemd left
+``--orphan`` reproduces docs/placement-rules.md §4.6 step 4 (a server started outside systemd left
 an orphaned ``llama-server`` holding VRAM with no listening socket): before
 binding, the engine forks a child into its own session; the child claims the
 ``--mib`` under its own PID (the parent claims nothing), writes its PID to
@@ -477,7 +479,7 @@ def _touch_host_memory(mib: int) -> bytearray:
 
 
 def _fork_orphan(options: EngineOptions) -> None:
-    """Fork the child that outlives us holding the allocation (spec §4.6 step 4)."""
+    """Fork the child that outlives us holding its memory (docs/placement-rules.md §4.6 step 4)."""
     if os.fork() != 0:
         return
     code = 0

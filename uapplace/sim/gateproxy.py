@@ -1,6 +1,6 @@
 """A small proxy in front of local engines, gated by the placement controller.
 
-It is the proxy side of CONTRACT.md built only from :mod:`uapplace.gate`, for
+It is the proxy side of docs/http-contract.md built only from :mod:`uapplace.gate`, for
 tests, ``uapplace demo`` and anyone who wants to see the whole path: a client
 request is admitted through :class:`~uapplace.gate.GateClient` (pointed at the
 shim), then either forwarded to the admitted target's endpoint or answered with
@@ -21,7 +21,7 @@ else ``remote:<peer address>``; ``x-uap-session-id`` is the session.
 
 Routing, two topologies:
 
-- **per-target** (the default, spec §9 "Phase 1.5"): a forward's ``target_id``
+- **per-target** (the default, docs/placement-rules.md §6 "Phase 1.5"): a forward's ``target_id``
   is ``<device>:<endpoint>``; the endpoint is the upstream base URL. The proxy
   remembers which endpoint served each model id (its *cached upstream ids*, what
   the gate falls back on when the controller does not answer). A fallback
@@ -40,7 +40,7 @@ background); a target the controller gave no rails for is not limited (the
 proxy's behaviour before rails existed). A request is listed in flight from the
 moment it is admitted, while it waits for its rail too: a drain must wait for it.
 
-Controller routes (CONTRACT §3), with ``Authorization: Bearer <token>`` required
+Controller routes (docs/http-contract.md §3), with ``Authorization: Bearer <token>`` required
 when the proxy has a token:
 
 - ``GET /internal/placement/inflight``: every request being forwarded, by target;
@@ -434,7 +434,7 @@ class _InFlight:
 
 
 def client_of(request: web.Request) -> str:
-    """CONTRACT §1's client identity for this request."""
+    """The client identity of docs/http-contract.md §1 for this request."""
     named = request.headers.get(CLIENT_HEADER)
     if named:
         return f"{CLIENT_HEADER}:{named}"

@@ -1,4 +1,6 @@
-"""The simulated GPU: a JSON state file that stands in for NVML (DESIGN.md §7).
+"""The simulated GPU: a JSON state file that stands in for NVML.
+
+docs/architecture.md ("Simulated GPU and fake engine").
 
 The file lists devices (``uuid``, ``name``, ``total_mib``) and allocations
 (``pid``, ``used_mib``, ``uuid``, ``command``). Fake engines :meth:`SimGpu.claim`

@@ -1,4 +1,4 @@
-"""A fake of the proxy's two internal placement routes (CONTRACT.md §3), for tests,
+"""A fake of the proxy's two internal placement routes (docs/http-contract.md §3), for tests,
 ``uapplace demo`` and ``bench/bench_swap.py``.
 
 - ``GET /internal/placement/inflight`` → ``{"targets": {target_id: [request…]}}``;

@@ -1,4 +1,6 @@
-"""A contained ``systemd --user`` for tests and ``uapplace demo`` (DESIGN.md §6).
+"""A contained ``systemd --user`` for tests and ``uapplace demo``.
+
+docs/architecture.md ("Contained user manager").
 
 ``systemd --user`` started from a process in the root cgroup takes over the
 machine's whole cgroup tree (it moves PID 1 and everything else into its
