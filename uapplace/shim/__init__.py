@@ -51,6 +51,10 @@ are served at once; one over that gets ``503`` at once, unread, and is closed,
 with one warning per 10 s, not one per connection. A client that hangs up
 mid-body is a debug line, not an error.
 
+Why 13 modules: the shim is one process with its own command line, sockets, middleware,
+routes, bodies and exposition; each concern below is one module, and none of them is
+used outside the shim.
+
 The modules, each owning one concern:
 
 - :mod:`~uapplace.shim.server`: the command line, the sockets, the serve loop (:func:`main`);
