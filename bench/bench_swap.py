@@ -28,8 +28,15 @@ pause-swaps (Apply of the wake option that pauses the resident and wakes the oth
 both ways). Prints every sample, the medians and the ratio pause-swap ÷ stop-swap
 (target well under 0.2).
 
+``--engine llama.cpp`` runs both on real llama.cpp ``llama-server`` units on the CPU
+tier instead (:mod:`bench.real_swap`: the swap through ``uapplace apply`` end to end
+and its run time against the shell, goals 1.10× and 1.02×; with ``--pause``, a
+llama-server router's unload + load against a cold stop; start; poll). Needs ``make
+engine``; exits 2 naming it when the binary is missing.
+
     .venv/bin/python bench/bench_swap.py [--rounds 4] [--via bus|inprocess]
     .venv/bin/python bench/bench_swap.py --pause --rounds 1
+    .venv/bin/python bench/bench_swap.py --engine llama.cpp [--rounds 4] [--pause]
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dbus_fast import Message, MessageType
@@ -60,6 +68,12 @@ from uapplace.files.paths import INTERFACE, Paths
 from uapplace.io.engines import ProxyClient
 from uapplace.io.units import UnitManager
 from uapplace.sim.usermanager import can_contain
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import real_swap  # noqa: E402
 
 TARGET_RATIO = 1.10
 PAUSE_TARGET_RATIO = 0.2
@@ -392,6 +406,12 @@ def main() -> int:
     parser.add_argument("--pause", action="store_true", help="the pause/wake column (issue 12)")
     parser.add_argument("--cold-secs", type=float, default=20.0, help="--pause: load time")
     parser.add_argument("--wake-secs", type=float, default=1.5, help="--pause: wake time")
+    parser.add_argument(
+        "--engine",
+        choices=["fake", "llama.cpp"],
+        default="fake",
+        help="llama.cpp: real llama-server units on the CPU (needs `make engine`)",
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -401,6 +421,8 @@ def main() -> int:
     if not ok:
         print(f"bench_swap needs a contained systemd --user: {why}", file=sys.stderr)
         return 2
+    if args.engine == "llama.cpp":
+        return real_swap.main(args.rounds, args.pause)
     if args.pause:
         print(f"pause/wake benchmark: {args.rounds} rounds, enforcement via {args.via}")
         paused = asyncio.run(

@@ -9,12 +9,18 @@
 #   --print-path  print where the binary is (or would be) and exit 0
 set -euo pipefail
 
-# The one pin: llama-cpp-python's sdist vendors llama.cpp under vendor/llama.cpp.
-# 0.3.36 vendors llama.cpp 0.5.0-dev (commit 0c1e570), whose tools/server has
-# --sleep-idle-seconds and router mode (--models-dir, --models-max,
-# GET /models, POST /models/load, POST /models/unload).
-LLAMA_CPP_PYTHON_VERSION="0.3.36"
-LLAMA_CPP_PYTHON_SHA256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+# The one pin (llama-cpp-python's sdist, which vendors llama.cpp under
+# vendor/llama.cpp) lives in uapplace/sim/llama-cpp.pin, which the package reads
+# too (uapplace.sim.llamacpp.llama_server_path): KEY=value lines.
+pin_file="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/uapplace/sim/llama-cpp.pin"
+pin() {
+  local value
+  value="$(sed -n "s/^$1=//p" "$pin_file" 2>/dev/null | tail -n 1)"
+  [ -n "$value" ] || { echo "build-llama-server: no $1= line in $pin_file" >&2; exit 1; }
+  echo "$value"
+}
+LLAMA_CPP_PYTHON_VERSION="$(pin LLAMA_CPP_PYTHON_VERSION)"
+LLAMA_CPP_PYTHON_SHA256="$(pin LLAMA_CPP_PYTHON_SHA256)"
 
 version="$LLAMA_CPP_PYTHON_VERSION"
 cache_root="${UAPPLACE_ENGINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/uapplace/engines}"
@@ -27,7 +33,7 @@ die() { echo "build-llama-server: $*" >&2; exit 1; }
 case "${1:-}" in
   --print-path) echo "$binary"; exit 0 ;;
   "") ;;
-  -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   *) die "unknown argument: $1 (usage: $0 [--print-path])" ;;
 esac
 
@@ -44,8 +50,16 @@ step="prepare"
 work=""
 stage=""
 log=""
+build_pid=""
+sleeper=""
 on_exit() {
   rc=$?
+  trap - INT TERM
+  [ -n "$sleeper" ] && { kill "$sleeper" 2>/dev/null || true; }
+  if [ -n "$build_pid" ] && kill -0 "$build_pid" 2>/dev/null; then
+    kill -- "-$build_pid" 2>/dev/null || true
+    wait "$build_pid" 2>/dev/null || true
+  fi
   if [ "$rc" -ne 0 ]; then
     if [ -n "$log" ] && [ -s "$log" ]; then
       echo "build-llama-server: last lines of the $step log:" >&2
@@ -60,6 +74,8 @@ on_exit() {
   exit "$rc"
 }
 trap on_exit EXIT
+trap 'echo "build-llama-server: interrupted" >&2; exit 130' INT
+trap 'echo "build-llama-server: terminated" >&2; exit 143' TERM
 
 mkdir -p "$cache_root"
 
@@ -158,13 +174,18 @@ step="build"
 t0=$SECONDS
 jobs="$(nproc)"
 say "building llama-server with -j$jobs (several minutes)"
-cmake --build "$work/build" --target llama-server -j "$jobs" >>"$log" 2>&1 &
+# In its own session, so that an interrupt can stop the whole compiler tree.
+setsid cmake --build "$work/build" --target llama-server -j "$jobs" >>"$log" 2>&1 &
 build_pid=$!
 while kill -0 "$build_pid" 2>/dev/null; do
-  sleep 30
+  sleep 30 &
+  sleeper=$!
+  wait "$sleeper" || true # `wait`, unlike a foreground sleep, lets INT/TERM in at once
+  sleeper=""
   kill -0 "$build_pid" 2>/dev/null && say "building... $((SECONDS - t0))s"
 done
 wait "$build_pid"
+build_pid=""
 built="$work/build/bin/llama-server"
 [ -x "$built" ] || { echo "no $built after the build" >>"$log"; false; }
 "$built" --version >>"$log" 2>&1
@@ -180,6 +201,7 @@ strip "$stage/bin/llama-server" 2>/dev/null || true
 chmod 755 "$stage"
 mv -T "$stage" "$entry"
 stage=""
+rm -f "$cache_root/llama.cpp-$version.failed.log"
 say "installed $(du -h "$binary" | cut -f1) binary; $(tail -n 2 "$entry/VERSION" | tr '\n' ' ')"
 say "llama-server $version cached at $binary"
 echo "$binary"

@@ -14,6 +14,9 @@ packages=(
   libxml2-utils iproute2
   # a compiler for the extensions
   gcc python3-dev
+  # build llama.cpp's llama-server (make engine: scripts/build-llama-server.sh, which
+  # fetches its source with pip and builds it with CMake and Ninja)
+  cmake g++ ninja-build python3-pip
 )
 
 missing=()

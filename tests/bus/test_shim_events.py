@@ -151,8 +151,9 @@ def test_targets_give_the_rails_of_each_resident_target(shim: ShimProcess) -> No
     assert reply.status == 200, reply.raw
     (target,) = reply.json()["targets"]
     assert target["target_id"] == f"gpu0:{SEEDED_ENDPOINT}"
-    # The registry declares 1 and the seeded fake engine runs one slot: they agree.
-    assert (target["rails"], target["rails_source"], target["state"]) == (1, "slots", "ok")
+    # The registry declares 1 and the seeded fake engine runs one slot (/props total_slots,
+    # read before /slots, which would wake a sleeping llama.cpp): they agree.
+    assert (target["rails"], target["rails_source"], target["state"]) == (1, "props", "ok")
     assert target["agrees"] is True
 
 
@@ -179,7 +180,7 @@ def test_bus_admits_are_counted_in_metrics(shim: ShimProcess, daemon: DaemonProc
     assert metrics.get(shim_parks, 0) == 0
     assert (
         metrics[
-            f'uapplace_target_rails{{target_id="gpu0:{SEEDED_ENDPOINT}",model="alpha",source="slots",state="ok"}}'
+            f'uapplace_target_rails{{target_id="gpu0:{SEEDED_ENDPOINT}",model="alpha",source="props",state="ok"}}'
         ]
         == 1
     )
@@ -190,4 +191,4 @@ def test_status_shows_the_rails_of_each_target(daemon: DaemonProcess) -> None:
     assert shown.returncode == 0, shown.stderr
     assert "Targets (rails)" in shown.stdout
     row = next(line for line in shown.stdout.splitlines() if f"gpu0:{SEEDED_ENDPOINT}" in line)
-    assert re.search(r"alpha\s*│\s*1\s*│\s*slots\s*│\s*ok", row), shown.stdout
+    assert re.search(r"alpha\s*│\s*1\s*│\s*props\s*│\s*ok", row), shown.stdout

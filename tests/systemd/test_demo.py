@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,14 +53,15 @@ class DemoRun:
     reader: threading.Thread | None = None
 
     @classmethod
-    def start(cls, *args: str) -> DemoRun:
+    def start(cls, *args: str, env: Mapping[str, str] | None = None) -> DemoRun:
+        """``uapplace demo ARGS`` in ``env`` (default :func:`demo_env`)."""
         process = subprocess.Popen(
             [str(UAPPLACE), "demo", *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=demo_env(),
+            env=dict(env) if env is not None else demo_env(),
         )
         run = cls(process)
         run.reader = threading.Thread(target=run._read, daemon=True)

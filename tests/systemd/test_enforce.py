@@ -193,7 +193,9 @@ async def test_an_orphan_holding_vram_is_named_and_the_swap_rolled_back(world: W
     "world_options",
     [
         {
-            "alpha_service": "ExecStop=/bin/sleep 1",
+            # No TimeoutStopSec= of its own: stop_s alone bounds the wait (a finite one is
+            # awaited past, docs/placement-rules.md §4.6 "Forced stops").
+            "alpha_service": "ExecStop=/bin/sleep 1\nTimeoutStopSec=infinity",
             "timeouts": Timeouts(**{**FAST.to_json(), "stop_s": 0.3}),
         }
     ],

@@ -6,25 +6,34 @@
   :class:`World` can derive them from what runs.
 - :class:`FakeUnits`: a :class:`~uapplace.io.seams.UnitControl` with in-memory unit
   states and scripted job outcomes (a start job that fails, a unit that turns
-  ``failed`` after starting, one that survives its stop job, one whose state
-  cannot be read). It signals every state change like the real manager, and logs
-  each job with the journal step on disk at that moment, so a test can show that
-  the journal was written before each unit change.
+  ``failed`` after starting, one that survives its stop job, one whose stop systemd
+  forces with ``SIGKILL`` after the stop timeout, one that leaves processes in its
+  cgroup, one whose state cannot be read). It signals every state change like the
+  real manager, and logs each job with the journal step on disk at that moment, so a
+  test can show that the journal was written before each unit change.
 - :class:`FakeEngines`: an :class:`~uapplace.io.seams.EngineProbe`: an engine is
   healthy only while its unit is active; served ids, metrics and vLLM's sleep
-  state are scripted per endpoint.
+  state are scripted per endpoint, and so is what the drain asks of it
+  (``/props``, ``/slots``, ``/metrics`` bodies as llama.cpp serves them: busy slots,
+  asleep, ``--no-slots``, no ``--metrics``, not answering).
+- :class:`World` ties the three together; :class:`Scene` adds a journal and a real
+  :class:`~uapplace.enforce.enforcer.Enforcer` with tiny bounds (:data:`FAST`).
 
 Used by ``test_enforce_fakes.py`` (every success and rollback branch),
-``test_enforce_safety.py`` and ``test_enforce_unit.py``.
+``test_enforce_engine_truth.py`` (the engine's own word in the drain, forced stops,
+verify-free on the host), ``test_enforce_safety.py`` and ``test_enforce_unit.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from tests.worlds import builders
@@ -36,6 +45,7 @@ from uapplace.core.model import (
     DeviceReading,
     Holder,
     Model,
+    ParkReason,
     PendingEntry,
     Plan,
     ProbeSource,
@@ -46,10 +56,13 @@ from uapplace.core.model import (
 )
 from uapplace.core.planner import PlanInput, plan
 from uapplace.core.unitnames import unit_file_name
+from uapplace.enforce.enforcer import Enforcer
+from uapplace.enforce.host import ProxyRefresher
 from uapplace.files.capacity import ServicePolicy
 from uapplace.files.journal import Journal
+from uapplace.files.timeouts import Timeouts
 from uapplace.io.engines import EngineError
-from uapplace.io.units import JobOutcome, UnitError, UnitState
+from uapplace.io.units import CLD_EXITED, CLD_KILLED, JobOutcome, UnitError, UnitState
 
 GPU = gpu(reserved=0)
 HOST = cpu(65536, 1024)
@@ -229,6 +242,11 @@ class FakeUnits:
     """Units still ``active`` after their stop job, whatever it said."""
     unreadable: set[str] = field(default_factory=set)
     """Units whose state cannot be read (the manager refuses)."""
+    forced_kill: set[str] = field(default_factory=set)
+    """Units whose stop job is ``done`` only after systemd SIGKILLed them at the stop
+    timeout: ``failed``, ``Result=timeout``, ``ExecMainCode=2`` (killed), status 9."""
+    leftover_pids: dict[str, list[int]] = field(default_factory=dict)
+    """Unit → processes its cgroup still holds once it is down (``KillMode=process``)."""
     journal: Journal | None = None
     """When set, each job is logged with the journal's step at that moment."""
     jobs: list[str] = field(default_factory=list)
@@ -238,17 +256,23 @@ class FakeUnits:
     _listeners: list[Callable[[str, UnitState], None]] = field(default_factory=list)
     _pids: itertools.count[int] = field(default_factory=lambda: itertools.count(4000))
     _main_pid: dict[str, int] = field(default_factory=dict)
+    _ended: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    """Unit → ``(Result, ExecMainCode, ExecMainStatus)`` of its last main process."""
 
     def state_now(self, name: str) -> UnitState:
         active = self.active.get(name, "inactive")
         pid = self._main_pid.get(name, 0) if active == "active" else 0
+        result, code, status = self._ended.get(name, ("success", 0, 0))
         return UnitState(
             active,
             _SUB.get(active, active),
             "loaded",
             pid,
             f"{sys.executable} -m engine",
+            result=result,
             exec_paths=(sys.executable,),
+            exec_main_code=code,
+            exec_main_status=status,
         )
 
     async def state(self, name: str) -> UnitState:
@@ -263,18 +287,23 @@ class FakeUnits:
             self._set(name, "failed")
             return JobOutcome(name, result)
         self._main_pid[name] = next(self._pids)
+        self._ended.pop(name, None)
         self._set(name, self.after_start.get(name, "active"))
         return JobOutcome(name, "done", f"/job/{len(self.jobs)}")
 
     async def stop_unit(self, name: str, timeout: float) -> JobOutcome:  # noqa: ASYNC109
         self._log(f"stop {name}")
-        if name not in self.survives_stop:
+        if name in self.forced_kill:
+            self._ended[name] = ("timeout", CLD_KILLED, signal.SIGKILL)
+            self._set(name, "failed")
+        elif name not in self.survives_stop:
+            self._ended[name] = ("success", CLD_EXITED, 0)
             self._set(name, "inactive")
         return JobOutcome(name, self.stop_result.get(name, "done"), f"/job/{len(self.jobs)}")
 
     async def pids(self, name: str) -> list[int]:
         pid = self.state_now(name).main_pid
-        return [pid] if pid else []
+        return [pid] if pid else list(self.leftover_pids.get(name, ()))
 
     def on_change(self, callback: Callable[[str, UnitState], None]) -> None:
         self._listeners.append(callback)
@@ -329,6 +358,26 @@ class FakeEngines:
     journal: Journal | None = None
     """When set, each lever pulled is logged with the journal's step at that moment."""
     journaled: list[tuple[str, str | None]] = field(default_factory=list)
+    slots: int = 2
+    """Each engine's ``/slots`` entries (llama.cpp ``--parallel``)."""
+    processing: dict[str, int] = field(default_factory=dict)
+    """Endpoint → slots ``is_processing`` (and ``llamacpp:requests_processing``)."""
+    idle_asleep: set[str] = field(default_factory=set)
+    """Endpoints whose llama-server sleeps (``--sleep-idle-seconds``): ``/props`` says
+    ``is_sleeping: true``; a ``GET /slots`` wakes it (noted in ``woken``), as the real one."""
+    woken: list[str] = field(default_factory=list)
+    no_props: set[str] = field(default_factory=set)
+    """Endpoints with no ``/props`` (404: vLLM and others)."""
+    no_slots: set[str] = field(default_factory=set)
+    """Endpoints whose ``/slots`` answers 501 (llama-server ``--no-slots``)."""
+    no_metrics: set[str] = field(default_factory=set)
+    """Endpoints whose ``/metrics`` answers 501 (llama-server without ``--metrics``)."""
+    metrics_text: dict[str, str] = field(default_factory=dict)
+    """Endpoint → its ``/metrics`` body as served (default: llama.cpp's request gauges)."""
+    unanswered: set[str] = field(default_factory=set)
+    """Endpoints whose routes time out (a wedged engine) while its unit runs."""
+    asked: list[str] = field(default_factory=list)
+    """``<endpoint><route>`` of each ``get_reply``, in order."""
 
     def _up(self, endpoint: str) -> bool:
         return self.units.active.get(self.unit_of.get(endpoint, ""), "inactive") == "active"
@@ -373,6 +422,60 @@ class FakeEngines:
             raise EngineError(f"{endpoint}/wake_up: HTTP 500")
         self.asleep.discard(endpoint)
 
+    async def get_reply(
+        self, endpoint: str, route: str, timeout_s: float
+    ) -> tuple[int | None, str]:
+        self.asked.append(f"{endpoint}{route}")
+        if endpoint in self.broken:
+            raise RuntimeError(f"the probe of {endpoint} died")
+        if not self._up(endpoint):
+            return None, "Cannot connect to host: Connection refused"
+        if endpoint in self.unanswered:
+            return None, "timed out"
+        path = route.split("?", 1)[0]  # a router model is asked with ?model=ID
+        if path == "/props":
+            return self._props(endpoint)
+        if path == "/slots":
+            return self._slots(endpoint)
+        if path == "/metrics":
+            return self._metrics(endpoint)
+        return 404, NOT_FOUND
+
+    def _props(self, endpoint: str) -> tuple[int, str]:
+        if endpoint in self.no_props:
+            return 404, NOT_FOUND
+        sleeping = endpoint in self.idle_asleep
+        return 200, json.dumps({"total_slots": self.slots, "is_sleeping": sleeping})
+
+    def _slots(self, endpoint: str) -> tuple[int, str]:
+        if endpoint in self.no_slots:
+            return 501, NOT_SUPPORTED
+        if endpoint in self.idle_asleep:  # a task: llama-server wakes to answer it
+            self.idle_asleep.discard(endpoint)
+            self.woken.append(endpoint)
+        busy = self.processing.get(endpoint, 0)
+        slots = [{"id": i, "n_ctx": 256, "is_processing": i < busy} for i in range(self.slots)]
+        return 200, json.dumps(slots)
+
+    def _metrics(self, endpoint: str) -> tuple[int, str]:
+        if endpoint in self.no_metrics:
+            return 501, NOT_SUPPORTED
+        if endpoint in self.metrics_text:
+            return 200, self.metrics_text[endpoint]
+        busy = self.processing.get(endpoint, 0)
+        return 200, (
+            "# TYPE llamacpp:requests_processing gauge\n"
+            f"llamacpp:requests_processing {busy}\n"
+            "llamacpp:requests_deferred 0\n"
+        )
+
+
+NOT_FOUND = '{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}'
+NOT_SUPPORTED = (
+    '{"error":{"code":501,"message":"This server does not support this endpoint",'
+    '"type":"not_supported_error"}}'
+)
+
 
 # --------------------------------------------------------------------------- a world
 
@@ -409,7 +512,7 @@ class World:
         gpu = DeviceReading(
             "gpu0", DeviceKind.GPU, GPU.total_mib, GPU.total_mib - used, ProbeSource.SIM
         )
-        return {"gpu0": replace(gpu, processes=tuple(processes)), "cpu0": host_reading(100000.0)}
+        return {"gpu0": replace(gpu, processes=tuple(processes)), "cpu0": host_reading()}
 
 
 def world(registry: Registry, running: Sequence[Resident], journal: Journal | None) -> World:
@@ -428,3 +531,78 @@ def world(registry: Registry, running: Sequence[Resident], journal: Journal | No
     scene = World(host, units, engines)
     host.readings = scene.readings
     return scene
+
+
+# --------------------------------------------------------------------------- a scene
+
+FAST = Timeouts(
+    drain_s=0.05,
+    drain_poll_s=0.005,
+    stop_s=0.5,
+    verify_free_s=0.05,
+    verify_free_poll_s=0.005,
+    start_s=0.5,
+    verify_up_s=0.1,
+    rollback_up_s=0.1,
+    health_first_poll_s=0.005,
+    health_max_poll_s=0.01,
+    http_s=0.05,
+)
+"""Tiny bounds: a wait that must fail fails in about 0.1 s."""
+
+
+class Scene:
+    """One world, its journal and an enforcer over them."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        registry: Registry,
+        running: Sequence[Resident],
+        refresher: ProxyRefresher | None = None,
+    ) -> None:
+        self.journal = Journal(tmp_path / "enforcement-journal.json")
+        self.world: World = world(registry, running, self.journal)
+        self.host = self.world.host
+        self.units = self.world.units
+        self.engines = self.world.engines
+        self.enforcer = Enforcer(
+            self.host,
+            self.units,
+            timeouts=FAST,
+            journal=self.journal,
+            engines=self.engines,
+            refresher=refresher,
+        )
+
+    def park(self, model: str) -> PendingEntry:
+        inp = PlanInput(self.host.reg, self.host.live, self.host.readings())
+        entry = PendingEntry(
+            "plc-000001",
+            model,
+            "client",
+            None,
+            0.0,
+            1e12,
+            ParkReason.NOT_RESIDENT,
+            options=plan(inp, model).options,
+        )
+        self.host.entries[entry.id] = entry
+        return entry
+
+    def assert_ended_cleanly(self) -> None:
+        """Whatever the outcome: the journal is gone and no draining mark is left."""
+        assert self.journal.read() is None
+        assert self.enforcer.marks.draining == frozenset()
+
+
+def steps(result: dict[str, Any]) -> list[tuple[str, bool]]:
+    return [(s["name"], s["ok"]) for s in result["steps"]]
+
+
+def ok(*names: str) -> list[tuple[str, bool]]:
+    return [(name, True) for name in names]
+
+
+def detail(result: dict[str, Any], name: str) -> str:
+    return next(str(s["detail"]) for s in result["steps"] if s["name"] == name)

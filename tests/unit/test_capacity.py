@@ -261,8 +261,8 @@ def test_metrics_max_context_contradiction_is_an_error(tmp_path: Path) -> None:
 
 def test_metrics_max_context_unknown_is_a_warning(tmp_path: Path) -> None:
     registry = registry_doc()
-    del config_of(registry, GEMMA)["context_pool_cells"]
-    finding = only(run(tmp_path, registry), config_path(GEMMA, "context_pool_cells"))
+    del config_of(registry, STRATA)["context_pool_cells"]
+    finding = only(run(tmp_path, registry), config_path(STRATA, "context_pool_cells"))
     assert finding.severity == "warning"
 
 

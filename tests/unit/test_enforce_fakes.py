@@ -13,18 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 from enforce_fakes import (
     FakeEngines,
-    World,
+    Scene,
+    detail,
     endpoint_of,
     measured,
+    ok,
     resident,
+    steps,
     swap_registry,
     vllm,
-    world,
 )
 
 from tests.worlds.steps import APPLY_STEPS
@@ -33,97 +34,20 @@ from uapplace.core.errors import Drifted
 from uapplace.core.model import (
     PAUSE_SUFFIX,
     Holder,
-    ParkReason,
-    PendingEntry,
     ProcessUsage,
     Registry,
     Resident,
     ResidentKey,
     ResidentState,
 )
-from uapplace.core.planner import PlanInput, plan
-from uapplace.enforce.enforcer import Enforcer
-from uapplace.enforce.host import ProxyRefresher
 from uapplace.files.capacity import ServicePolicy
-from uapplace.files.journal import Journal
-from uapplace.files.timeouts import Timeouts
 
-FAST = Timeouts(
-    drain_s=0.05,
-    drain_poll_s=0.005,
-    stop_s=0.5,
-    verify_free_s=0.05,
-    verify_free_poll_s=0.005,
-    start_s=0.5,
-    verify_up_s=0.1,
-    rollback_up_s=0.1,
-    health_first_poll_s=0.005,
-    health_max_poll_s=0.01,
-    http_s=0.05,
-)
 ALPHA = endpoint_of("alpha")
 BETA = endpoint_of("beta")
 CODER = endpoint_of("coder")
 SUCCESS = APPLY_STEPS
 FORWARD = APPLY_STEPS[: APPLY_STEPS.index("verify-up") + 1]
 RESTORED = ["rollback-stop", "rollback-start", "rollback-verify", "rollback-clear"]
-
-
-class Scene:
-    """One world, its journal and an enforcer over them."""
-
-    def __init__(
-        self,
-        tmp_path: Path,
-        registry: Registry,
-        running: Sequence[Resident],
-        refresher: ProxyRefresher | None = None,
-    ) -> None:
-        self.journal = Journal(tmp_path / "enforcement-journal.json")
-        self.world: World = world(registry, running, self.journal)
-        self.host = self.world.host
-        self.units = self.world.units
-        self.engines = self.world.engines
-        self.enforcer = Enforcer(
-            self.host,
-            self.units,
-            timeouts=FAST,
-            journal=self.journal,
-            engines=self.engines,
-            refresher=refresher,
-        )
-
-    def park(self, model: str) -> PendingEntry:
-        inp = PlanInput(self.host.reg, self.host.live, self.world.readings())
-        entry = PendingEntry(
-            "plc-000001",
-            model,
-            "client",
-            None,
-            0.0,
-            1e12,
-            ParkReason.NOT_RESIDENT,
-            options=plan(inp, model).options,
-        )
-        self.host.entries[entry.id] = entry
-        return entry
-
-    def assert_ended_cleanly(self) -> None:
-        """Whatever the outcome: the journal is gone and no draining mark is left."""
-        assert self.journal.read() is None
-        assert self.enforcer.marks.draining == frozenset()
-
-
-def steps(result: dict[str, Any]) -> list[tuple[str, bool]]:
-    return [(s["name"], s["ok"]) for s in result["steps"]]
-
-
-def ok(*names: str) -> list[tuple[str, bool]]:
-    return [(name, True) for name in names]
-
-
-def detail(result: dict[str, Any], name: str) -> str:
-    return next(str(s["detail"]) for s in result["steps"] if s["name"] == name)
 
 
 @pytest.fixture

@@ -129,10 +129,12 @@ def test_a_victim_without_a_lever_is_only_stopped() -> None:
     assert result.options[0].victims[0].alternative == ""
 
 
-def test_the_llamacpp_router_lever_is_display_only() -> None:
+def test_the_llamacpp_router_lever_is_executable() -> None:
+    # Issue 19: a router model pauses by unloading (tests/unit/test_router_planner.py).
     router = model("coder", config("coder-q4", 16_000, lever="llamacpp-router"))
     result = plan(inputs(registry(router, CHAT), [resident(router)]), "chat")
-    assert displaces(result.options) == [("displace", ("stop",))]
+    assert displaces(result.options) == [("displace", ("pause",)), ("displace", ("stop",))]
+    assert "the router unloads it" in result.options[0].victims[0].consequence
 
 
 def test_only_a_hot_resident_is_paused() -> None:

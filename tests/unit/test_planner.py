@@ -655,7 +655,7 @@ def test_preview_consequence_per_victim_state() -> None:
     victim_json = option.to_json()["victims"][0]
     assert set(victim_json) == {
         "model", "config", "state", "device", "holders", "in_flight", "frees_mib",
-        "consequence", "reload_mib", "action", "serve_again_s",
+        "consequence", "reload_mib", "action", "serve_again_s", "frees_host_mib", "device_kind",
     }  # fmt: skip
     assert victim_json["action"] == "stop"
 

@@ -3,13 +3,14 @@
 The admission rule (only ``hot`` forwards, ``warming`` parks ``warming``), the
 controller's restore (a ledger's ``hot`` comes back ``warming``), the debounced
 re-plan of pending entries, and the one check of :mod:`uapplace.publish.verify` against
-the real fake engine served over real HTTP on loopback.
+the real fake engine served over real HTTP on loopback, and ``metricsMustMatch`` against
+the exact answers of a real llama-server (tests/unit/llama_shapes.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 from controller_fixtures import registry, registry_paths
+from http_fixtures import serving
+from llama_shapes import BUILD_INFO, LlamaShapes
 
 from uapplace.controller.controller import Controller
 from uapplace.core.admission import Admission
@@ -35,6 +38,8 @@ from uapplace.core.model import (
 )
 from uapplace.files.capacity import ServicePolicy
 from uapplace.files.ledger import LedgerDoc
+from uapplace.io.engines import EngineError
+from uapplace.io.router import RouterModel
 from uapplace.publish import verify
 from uapplace.publish.publication import WRONG_ENGINE_FIRST_S, WRONG_ENGINE_MAX_S, verify_until_ok
 from uapplace.sim.engine import EngineOptions, FakeEngine
@@ -254,10 +259,109 @@ async def test_metrics_against_the_policy(engine: Served) -> None:
     with_options(engine, kv="f16")
     verdict = await verify.check(engine.endpoint, verify.expectation(ALPHA, A1, None, POLICY), 2.0)
     assert verdict.outcome is verify.Outcome.METRICS
-    assert (
-        verdict.detail
-        == "metricsMustMatch of service alpha-server: kv is 'f16', policy wants 'int8'"
+    assert verdict.detail == (
+        "metricsMustMatch of service alpha-server: kv is 'f16', policy wants 'int8' (from /metrics)"
     )
+
+
+def llama_policy(**wanted: str | int | float) -> ServicePolicy:
+    return ServicePolicy("tiny-server", None, wanted, (), None)
+
+
+TINY = Model("tiny-a", "Tiny A", "llama.cpp", {"a1": A1}, unit="a.service")
+
+
+async def test_llama_cpp_settings_are_checked_in_props() -> None:
+    """The real /metrics has counters only: n_ctx, total_slots, build_info and model_alias
+    come from /props, one GET, and /slots is never asked."""
+    shapes = LlamaShapes(n_ctx=256, total_slots=2)
+    wanted = llama_policy(
+        n_ctx=256, total_slots=2, build_info=BUILD_INFO, model_alias="tiny-a", is_sleeping="false"
+    )
+    async with serving(shapes.app()) as url:
+        verdict = await verify.check(url, verify.expectation(TINY, A1, None, wanted), 2.0)
+        served = await verify.served_facts(["n_ctx", "total_slots", "requests_processing"], url, 2)
+    assert verdict.ok, verdict
+    assert "metricsMustMatch n_ctx, total_slots, build_info" in verdict.detail
+    assert served.values == {"n_ctx": 256.0, "total_slots": 2.0, "requests_processing": 0.0}
+    assert served.sources == {
+        "n_ctx": "/props default_generation_settings.n_ctx",
+        "total_slots": "/props total_slots",
+        "requests_processing": "/metrics",
+    }
+    assert shapes.hits["/slots"] == 0
+
+
+async def test_a_props_mismatch_names_key_values_and_source() -> None:
+    shapes = LlamaShapes(n_ctx=256, total_slots=2)
+    async with serving(shapes.app()) as url:
+        problem = await verify.metrics_problem(llama_policy(n_ctx=512, total_slots=2), url, 2.0)
+    assert problem == (
+        "metricsMustMatch of service tiny-server: n_ctx is 256, policy wants 512 "
+        "(from /props default_generation_settings.n_ctx)"
+    )
+
+
+async def test_props_is_asked_only_for_keys_metrics_lacks() -> None:
+    shapes = LlamaShapes()
+    async with serving(shapes.app()) as url:
+        assert await verify.metrics_problem(llama_policy(requests_deferred=0), url, 2.0) is None
+        assert shapes.hits["/props"] == 0
+        assert await verify.metrics_problem(llama_policy(n_ctx=256), url, 2.0) is None
+    assert (shapes.hits["/metrics"], shapes.hits["/props"], shapes.hits["/slots"]) == (2, 1, 0)
+
+
+async def test_without_metrics_flag_props_still_answers_and_a_missing_key_says_why() -> None:
+    shapes = LlamaShapes(metrics_enabled=False)
+    async with serving(shapes.app()) as url:
+        assert await verify.metrics_problem(llama_policy(n_ctx=256), url, 2.0) is None
+        problem = await verify.metrics_problem(llama_policy(kv="q8_0"), url, 2.0)
+    assert problem is not None
+    assert problem.startswith(
+        "metricsMustMatch of service tiny-server: kv is missing, policy wants 'q8_0' "
+        "(in neither /metrics nor /props: GET "
+    )
+    assert "/metrics: HTTP 501" in problem and "Start it with `--metrics`" in problem
+
+
+class ChildMetrics:
+    """A :class:`~uapplace.io.router.RouterProbe` whose one model's child has no ``--metrics``."""
+
+    async def models(self, endpoint: str, timeout_s: float) -> dict[str, RouterModel]:
+        raise AssertionError("metricsMustMatch never lists the router's models")
+
+    async def load(self, endpoint: str, model_id: str, timeout_s: float) -> None:
+        raise AssertionError("metricsMustMatch never loads")
+
+    async def unload(self, endpoint: str, model_id: str, timeout_s: float) -> None:
+        raise AssertionError("metricsMustMatch never unloads")
+
+    async def children(self, pids: Sequence[int], model_id: str) -> list[int]:
+        raise AssertionError("metricsMustMatch reads no process")
+
+    async def metrics(
+        self, endpoint: str, model_id: str, timeout_s: float
+    ) -> dict[str, float | str]:
+        raise EngineError(f"GET {endpoint}/metrics?model={model_id}: HTTP 501")
+
+
+async def test_a_router_model_is_checked_in_its_childs_props() -> None:
+    shapes = LlamaShapes(n_ctx=512, total_slots=4)
+    async with serving(shapes.app()) as url:
+        served = await verify.served_facts(
+            ["n_ctx", "total_slots"], url, 2.0, routed=(ChildMetrics(), "tiny-a")
+        )
+    assert served.values == {"n_ctx": 512.0, "total_slots": 4.0}
+    assert shapes.queries == ["model=tiny-a&autoload=false"]  # never loads the model
+    assert served.errors == (f"GET {url}/metrics?model=tiny-a: HTTP 501",)
+
+
+async def test_a_sleeping_llama_cpp_is_checked_without_waking_it() -> None:
+    shapes = LlamaShapes(asleep=True)
+    async with serving(shapes.app()) as url:
+        problem = await verify.metrics_problem(llama_policy(n_ctx=256, total_slots=2), url, 2.0)
+    assert problem is None
+    assert shapes.asleep and shapes.hits["/slots"] == 0
 
 
 async def test_nothing_listening_is_unhealthy() -> None:

@@ -1,15 +1,18 @@
-"""Per-target rails (uapplace/io/rails.py) against the fake engine over real HTTP, and the
-gate's per-target semaphore map (uapplace/gate.py ``TargetSemaphores``) sized from them."""
+"""Per-target rails (uapplace/io/rails.py) against the fake engine and the real llama-server's
+JSON shapes over real HTTP, and the gate's per-target semaphore map (uapplace/gate.py
+``TargetSemaphores``) sized from them."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import pytest
 from aiohttp import web
 from http_fixtures import closed_port_url, serving
+from llama_shapes import LlamaShapes
 
 from uapplace.core.model import Model, Resident, ResidentState
 from uapplace.gate import TargetSemaphores, rails_map
@@ -62,33 +65,93 @@ async def until(condition: Callable[[], bool], guard_s: float = 10) -> None:
 # --------------------------------------------------------------------------- live probes
 
 
-async def test_parallel_2_gives_rails_2_from_slots() -> None:
+@asynccontextmanager
+async def llama(shapes: LlamaShapes) -> AsyncIterator[str]:
+    """The real llama-server's answers (tests/unit/llama_shapes.py), served."""
+    async with serving(shapes.app()) as url:
+        yield url
+
+
+async def test_parallel_2_gives_rails_2_from_props() -> None:
     async with engine("--parallel", "2") as url:
         live = await probe_rails(url, "llama.cpp")
         [target] = await target_rails([RailsQuery(TARGET, "m", "llama.cpp", url)])
-    assert (live.state, live.rails, live.source) == (ProbeState.OK, 2, "slots")
-    assert (target.rails, target.rails_source, target.state) == (2, "slots", "ok")
+    assert (live.state, live.rails, live.source) == (ProbeState.OK, 2, "props")
+    assert (target.rails, target.rails_source, target.state) == (2, "props", "ok")
     assert target.to_json()["live"] == {
         "state": "ok",
         "rails": 2,
-        "source": "slots",
-        "detail": "2 slot objects",
+        "source": "props",
+        "detail": "total_slots 2",
     }
 
 
-async def test_failing_slots_is_probe_failed_never_one_rail() -> None:
-    async with engine("--parallel", "2", "--fail-route", "slots") as url:
+async def test_real_props_gives_the_rails_and_slots_is_never_asked() -> None:
+    shapes = LlamaShapes(total_slots=2)
+    async with llama(shapes) as url:
+        live = await probe_rails(url, "llama.cpp")
+    assert (live.state, live.rails, live.source) == (ProbeState.OK, 2, "props")
+    assert shapes.hits["/slots"] == 0
+
+
+async def test_a_sleeping_llama_cpp_is_read_from_props_and_stays_asleep() -> None:
+    shapes = LlamaShapes(total_slots=3, asleep=True)
+    async with llama(shapes) as url:
+        live = await probe_rails(url, "llama.cpp")
+        other = await probe_rails(url, "something")
+    assert (live.state, live.rails, live.source) == (ProbeState.OK, 3, "props")
+    assert (other.state, other.rails, other.source) == (ProbeState.OK, 3, "props")
+    assert shapes.hits["/slots"] == 0 and shapes.asleep
+
+
+async def test_props_without_total_slots_asks_slots_only_while_awake() -> None:
+    without = {k: v for k, v in LlamaShapes().props_body().items() if k != "total_slots"}
+    awake = LlamaShapes(total_slots=2, props_override=without)
+    async with llama(awake) as url:
+        live = await probe_rails(url, "llama.cpp")
+    assert (live.state, live.rails, live.source) == (ProbeState.OK, 2, "slots")
+    assert awake.hits["/slots"] == 1
+
+    asleep = LlamaShapes(
+        total_slots=2, asleep=True, props_override={**without, "is_sleeping": True}
+    )
+    async with llama(asleep) as url:
+        live = await probe_rails(url, "llama.cpp")
+    assert (live.state, live.rails) == (ProbeState.NOT_PROBED, None)
+    assert "asleep" in live.detail and "would wake" in live.detail
+    assert asleep.hits["/slots"] == 0 and asleep.asleep
+
+
+async def test_a_server_without_props_is_counted_from_slots() -> None:
+    shapes = LlamaShapes(total_slots=4, no_props_route=True)
+    async with llama(shapes) as url:
+        live = await probe_rails(url, "llama.cpp")
+    assert (live.state, live.rails, live.source) == (ProbeState.OK, 4, "slots")
+
+
+async def test_a_router_without_model_is_probe_failed_naming_its_answer() -> None:
+    shapes = LlamaShapes(router=True)
+    async with llama(shapes) as url:
+        live = await probe_rails(url, "llama.cpp")
+    # The router's own /props has neither total_slots nor is_sleeping, so /slots is asked,
+    # and a router answers 400 there without ?model=: failed, never one rail.
+    assert (live.state, live.rails) == (ProbeState.FAILED, None)
+    assert "/slots: HTTP 400" in live.detail and "model name is missing" in live.detail
+
+
+async def test_failing_props_is_probe_failed_never_one_rail() -> None:
+    async with engine("--parallel", "2", "--fail-route", "props") as url:
         [target] = await target_rails([RailsQuery(TARGET, "m", "llama.cpp", url)])
     assert target.live.state is ProbeState.FAILED
     assert target.live.rails is None
     assert target.rails is None and target.rails_source is None
     assert target.state == "probe_failed"
-    assert "HTTP 500" in target.live.detail and "/slots" in target.live.detail
+    assert "HTTP 500" in target.live.detail and "/props" in target.live.detail
     assert target.to_json()["rails"] is None
 
 
 async def test_failed_probe_keeps_the_declared_figure_and_says_so() -> None:
-    async with engine("--fail-route", "slots") as url:
+    async with engine("--fail-route", "props") as url:
         [target] = await target_rails([RailsQuery(TARGET, "m", "llama.cpp", url, 2, "flags:-np")])
     assert (target.rails, target.rails_source) == (2, "registry")
     assert target.state == "probe_failed"
@@ -100,7 +163,7 @@ async def test_unreachable_engine_is_probe_failed() -> None:
     assert live.state is ProbeState.FAILED and live.rails is None
 
 
-async def test_no_slots_route_falls_back_to_props_total_slots() -> None:
+async def test_no_slots_route_reads_props_total_slots() -> None:
     async with engine("--parallel", "3", "--no-slots") as url:
         live = await probe_rails(url, "llama.cpp")
     assert (live.state, live.rails, live.source) == (ProbeState.OK, 3, "props")
@@ -128,7 +191,7 @@ async def test_disagreement_uses_the_smaller_figure_and_is_named() -> None:
 async def test_agreement_credits_the_live_source() -> None:
     async with engine("--parallel", "2") as url:
         [target] = await target_rails([RailsQuery(TARGET, "m", "llama.cpp", url, 2, None)])
-    assert (target.rails, target.rails_source, target.agrees) == (2, "slots", True)
+    assert (target.rails, target.rails_source, target.agrees) == (2, "props", True)
     assert target.disagreement() is None
 
 
@@ -323,3 +386,16 @@ async def test_cache_reuses_a_probe_until_the_targets_change_or_it_ages() -> Non
         assert [row.rails for row in changed] == [3]
         clock.now = 11
         assert await cache.current([resident(three)], models) is not changed
+
+
+async def test_cache_reads_a_sleeping_engine_without_waking_it() -> None:
+    """The read path (status, the shim's /metrics and /targets, the proxy's refresh) goes
+    through :class:`RailsCache`: a sleeping llama.cpp stays asleep."""
+    resident = Resident("m", "c", "cpu0", "llama.cpp", "", "u", ResidentState.HOT, 1.0, 1.0, "t")
+    shapes = LlamaShapes(total_slots=2, asleep=True)
+    async with llama(shapes) as url:
+        rows = await RailsCache().current(
+            [replace(resident, endpoint=url)], {"m": Model("m", "M", "llama.cpp", {})}
+        )
+    assert [(row.rails, row.rails_source) for row in rows] == [(2, "props")]
+    assert shapes.hits["/slots"] == 0 and shapes.asleep

@@ -190,6 +190,11 @@ class FakeEngines:
             raise EngineError(f"{endpoint}/wake_up: 500")
         self.asleep.discard(endpoint)
 
+    async def get_reply(
+        self, endpoint: str, route: str, timeout_s: float
+    ) -> tuple[int | None, str]:
+        raise AssertionError(f"recovery never asks {endpoint}{route}: only a drain does")
+
 
 @dataclass
 class FakeHost:

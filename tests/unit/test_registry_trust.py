@@ -316,7 +316,9 @@ async def test_a_truncated_policy_on_reload_keeps_the_last_good_one(tmp_path: Pa
 
     assert controller.config.state.policy_state == "last-good"
     refused = await metrics_verdict(controller, "f16")
-    assert refused == "metricsMustMatch of service alpha-server: kv is 'f16', policy wants 'int8'"
+    assert refused == (
+        "metricsMustMatch of service alpha-server: kv is 'f16', policy wants 'int8' (from /metrics)"
+    )
     assert await metrics_verdict(controller, "int8") is None
     report = await views.validate(controller)
     assert report["capacity_policy"]["state"] == "last-good"

@@ -2,5 +2,8 @@
 
 One module a concern: the documents worlds are seeded with (``seed_docs``, ``registries``),
 core model builders (``builders``), the apply steps (``steps``), waiting on what nothing
-signals (``polling``), and the programs the tests start (``commands``, ``gate_proxy``).
+signals (``polling``), the programs the tests start (``commands``, ``gate_proxy``), and the
+machine with real llama.cpp engines (``llama``: the engines tier's world;
+it starts ``uapplaced`` and the shim with the bus tier's launchers, as the systemd tier's
+live world does).
 """

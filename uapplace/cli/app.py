@@ -37,6 +37,7 @@ from uapplace.cli.render import (
     WATCHED_SIGNALS,
     print_envelope,
     print_install,
+    print_measurement,
     print_pending,
     print_preview,
     print_status,
@@ -57,7 +58,7 @@ from uapplace.cli.session import (
     until_stopped,
 )
 from uapplace.core.model import DEFAULT_CELLS
-from uapplace.demo import walkthrough
+from uapplace.demo import real_engine, walkthrough
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH, Paths
 
 if TYPE_CHECKING:
@@ -314,7 +315,7 @@ def measure(
     if as_json:
         print_json(result)
     else:
-        out.print(json.dumps(result, indent=2), markup=False)
+        print_measurement(result)
 
 
 def _measure_envelope(model: str, config: str, yes: bool, as_json: bool) -> None:
@@ -571,14 +572,32 @@ def demo(
         str | None,
         typer.Option("--proxy-token", help="That proxy's PROXY_AUTH_TOKEN (printed either way)."),
     ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            metavar="fake|llama.cpp",
+            help="fake: simulated GPU, fake engines (quick). llama.cpp: real llama-server "
+            "units on the CPU, measured by uapplace (needs `make engine`; one port, so "
+            "--single-upstream is implied).",
+        ),
+    ] = "fake",
 ) -> None:
-    """Run the embedded demo (contained systemd, simulated GPU, fake engines)."""
+    """Run the embedded demo (contained systemd; a simulated GPU and fake engines, or real
+    llama-server units on the CPU with --engine llama.cpp)."""
+    if engine not in ("fake", "llama.cpp"):
+        raise typer.BadParameter(
+            f"{engine!r} is not an engine of the demo: fake or llama.cpp", param_hint="--engine"
+        )
     if proxy_url is not None and not proxy_url.startswith(("http://", "https://")):
         raise typer.BadParameter(
             f"{proxy_url!r} is not an http:// or https:// URL", param_hint="--proxy-url"
         )
     if proxy_token is not None and proxy_url is None:
         raise typer.BadParameter("needs --proxy-url", param_hint="--proxy-token")
+    if engine == "llama.cpp":
+        code = real_engine.run(keep, proxy_url=proxy_url, proxy_token=proxy_token)
+        raise typer.Exit(int(code))
     code = walkthrough.run(
         keep, single_upstream=single_upstream, proxy_url=proxy_url, proxy_token=proxy_token
     )

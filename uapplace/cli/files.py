@@ -21,7 +21,7 @@ from uapplace.cli.session import (
     fail,
     out,
 )
-from uapplace.files.capacity import has_errors, load_capacity_policy
+from uapplace.files.capacity import has_errors, load_capacity_policy, timeouts_findings
 from uapplace.files.capacity import validate as validate_files
 from uapplace.files.jsonfile import LEDGER_MAX_BYTES, ConfigFileError, read_capped_or_none
 from uapplace.files.ledger import LedgerFormatError, doc_to_json, parse_ledger_text
@@ -135,7 +135,7 @@ def validate_locally() -> dict[str, Any]:
     except ConfigFileError as error:
         policy = None
         problems = _error_findings(error)
-    checked = validate_files(loaded, policy)
+    checked = validate_files(loaded, policy) + timeouts_findings(paths.enforcement_timeouts)
     findings = problems + [f.to_json() for f in checked]
     return {
         "ok": not problems and not has_errors(checked),

@@ -30,6 +30,21 @@ def mib(value: Any) -> str:
     return f"{float(value):,.0f} MiB"
 
 
+def on_host(item: dict[str, Any]) -> bool:
+    """An option or victim on the CPU tier: its memory is host RAM, and its GPU figures
+    (``cost_mib``, ``frees_mib``) are 0 there (docs/placement-rules.md §4.5)."""
+    return item.get("device_kind") == "cpu"
+
+
+def host_mib(value: Any) -> str:
+    return f"{mib(value)} of host RAM"
+
+
+def frees_text(item: dict[str, Any]) -> str:
+    """What an option or a victim frees on its device: GPU MiB, or host RAM on the CPU tier."""
+    return host_mib(item.get("frees_host_mib")) if on_host(item) else mib(item.get("frees_mib"))
+
+
 def _expires_in(seconds_from_now: float) -> str:
     if seconds_from_now <= 0:
         return "expired"
@@ -71,7 +86,8 @@ def print_status(state: dict[str, Any]) -> None:
 
 
 def _devices_table(devices: dict[str, Any]) -> Table:
-    table = _table("Devices", ("device", "kind", "total", "free", "reserved", "source"))
+    columns = ("device", "kind", "total", "free", "reserved", "room", "source")
+    table = _table("Devices", columns)
     for key, device in devices.items():
         table.add_row(
             key,
@@ -79,6 +95,8 @@ def _devices_table(devices: dict[str, Any]) -> Table:
             mib(device.get("total_mib")),
             mib(device.get("free_mib")),
             mib(device.get("reserved_mib")) if "reserved_mib" in device else "-",
+            # What placement may still use: every resident at its measured footprint.
+            mib(device.get("room_mib")) if "room_mib" in device else "-",
             str(device.get("source", ""))
             + (f" ({device['error']})" if device.get("error") else ""),
         )
@@ -86,7 +104,7 @@ def _devices_table(devices: dict[str, Any]) -> Table:
 
 
 def _residents_table(residents: list[dict[str, Any]]) -> Table:
-    columns = ("model", "config", "device", "state", "gpu", "endpoint", "holders")
+    columns = ("model", "config", "device", "state", "gpu", "host", "endpoint", "holders")
     table = _table("Residents", columns)
     for resident in residents:
         holders = ", ".join(
@@ -97,12 +115,20 @@ def _residents_table(residents: list[dict[str, Any]]) -> Table:
             resident["model"],
             resident["config"],
             resident["device"],
-            resident["state"],
+            resident_state_text(resident),
             mib(resident.get("gpu_mib")),
+            mib(resident.get("host_rss_mib")),
             str(resident.get("endpoint") or "-"),
             holders or "-",
         )
     return table
+
+
+def resident_state_text(resident: dict[str, Any]) -> str:
+    """``hot``, or ``hot (asleep)`` while its engine sleeps on its own (llama.cpp idle
+    sleep: it still serves, waking on the next request; docs/placement-rules.md §4.2)."""
+    state = str(resident.get("state", ""))
+    return f"{state} (asleep)" if resident.get("asleep") else state
 
 
 def _targets_table(targets: object) -> None:
@@ -163,8 +189,11 @@ def alert_banner(alerts: list[dict[str, Any]]) -> None:
 
 
 def option_header(option: dict[str, Any]) -> str:
+    """``load_alongside m/c on gpu0, costs 8,000 MiB``; on the CPU tier the cost is the
+    host RAM it adds (``costs 814 MiB of host RAM``)."""
     target = f"{option['model']}/{option['config']} on {option['device']}"
-    return f"{option['kind']} {target}, costs {mib(option.get('cost_mib'))}"
+    cost = host_mib(option.get("host_mib")) if on_host(option) else mib(option.get("cost_mib"))
+    return f"{option['kind']} {target}, costs {cost}"
 
 
 def _option_line(index: int, option: dict[str, Any], recommended: int | None) -> str:
@@ -172,7 +201,7 @@ def _option_line(index: int, option: dict[str, Any], recommended: int | None) ->
     victims = option.get("victims", [])
     if victims:
         acts = "; ".join(_victim_action(v) for v in victims)
-        line += f"; {acts}, frees {mib(option.get('frees_mib'))}"
+        line += f"; {acts}, frees {frees_text(option)}"
     if option.get("expected_s") is not None:
         line += f"; swap ≈ {option['expected_s']:g} s"
     if index == recommended:
@@ -259,7 +288,7 @@ def _victims_table(victims: list[dict[str, Any]]) -> Table:
             str(victim.get("state", "")),
             _holders_text(victim),
             _in_flight_text(victim),
-            mib(victim.get("frees_mib")),
+            frees_text(victim),
             str(victim.get("consequence", "")),
         )
     return table
@@ -272,7 +301,18 @@ def show_impact(console: Console, header: str, victims: list[dict[str, Any]], fr
         console.print("It stops nothing.")
         return
     console.print(_victims_table(victims))
-    console.print(f"Frees {mib(frees)} in total.", markup=False)
+    console.print(f"Frees {_total_freed(victims, frees)} in total.", markup=False)
+
+
+def _total_freed(victims: list[dict[str, Any]], frees: Any) -> str:
+    """``frees`` (the GPU MiB the caller was told); with victims on the CPU tier, the host
+    RAM they free beside it (``0 MiB and 814 MiB of host RAM``, or the host RAM alone
+    when every victim is on the host)."""
+    host = [v for v in victims if on_host(v)]
+    if not host:
+        return mib(frees)
+    host_total = host_mib(sum(float(v.get("frees_host_mib") or 0.0) for v in host))
+    return host_total if len(host) == len(victims) else f"{mib(frees)} and {host_total}"
 
 
 # --------------------------------------------------------------------------- files
@@ -306,6 +346,51 @@ def _grouped_provenance(
         key = (row["entry"], row["source"], row["file"], row.get("measurement", ""))
         grouped.setdefault(key, []).append(row["field"])
     return list(grouped.items())
+
+
+MEASURED_FIGURES = (
+    ("host_rss_mib", "host RSS", "MiB"),
+    ("resident_gpu_mib", "GPU memory", "MiB"),
+    ("per_session_cap_cells", "per-session cap", "cells"),
+    ("context_pool_cells", "context pool", "cells"),
+    ("kv_resident_cells", "KV resident", "cells"),
+    ("kv_mib_per_1k_cells", "KV past the pool", "MiB per 1,000 cells"),
+    ("kv", "KV dtype", ""),
+    ("expert_cache_mib", "expert cache", "MiB"),
+    ("arena_mib", "arena", "MiB"),
+)
+"""The figures of ``measure``'s text, in order: key, label, unit."""
+
+
+def print_measurement(result: dict[str, Any]) -> None:
+    """``measure``'s result as text: the footprint and KV geometry recorded, each with
+    where it came from, the device, and where it was written."""
+    measured: dict[str, Any] = result.get("measurement", {})
+    sources: dict[str, str] = result.get("sources", {})
+    pids = ", ".join(str(pid) for pid in result.get("pids", []))
+    out.print(
+        f"measured {result.get('model')}/{result.get('config')} "
+        f"({result.get('unit')}, PIDs {pids}) on {measured.get('measured_on')}",
+        markup=False,
+    )
+    for key, label, unit in MEASURED_FIGURES:
+        if key not in measured:
+            continue
+        value = measured[key]
+        shown = f"{value:,g} {unit}".rstrip() if isinstance(value, int | float) else str(value)
+        source = f" — {sources[key]}" if key in sources else ""
+        out.print(f"  {label}: {shown}{source}", markup=False)
+    if "slots" in sources:
+        out.print(f"  slots: {sources['slots']}", markup=False)
+    out.print(_device_line(result.get("device", {})), markup=False)
+    out.print(f"written to {result.get('written')}", markup=False)
+
+
+def _device_line(device: dict[str, Any]) -> str:
+    text = f"  device {device.get('key')}: free {device.get('free_mib', 0):,.0f} MiB"
+    if "reserved_mib" in device:
+        text += f", reserved {device['reserved_mib']:,} MiB ({device.get('reserve_reason')})"
+    return text
 
 
 def print_envelope(result: dict[str, Any]) -> None:

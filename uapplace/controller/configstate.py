@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 
 from uapplace.core.alerts import AlertBoard, AlertKind, Severity
 from uapplace.core.errors import UnknownModel
-from uapplace.core.model import Model, Registry, iso
+from uapplace.core.model import DeviceKind, Model, Registry, Resident, ResidentState, iso
+from uapplace.core.victims import config_of
 from uapplace.files.capacity import (
     CapacityPolicy,
     Finding,
@@ -190,6 +191,31 @@ def report_topology(load: RegistryLoad, alerts: AlertBoard) -> None:
             f"{names}{more}",
             {"findings": [f.to_json() for f in findings[:20]]},
         )
+
+
+def measured_footprint(registry: Registry, resident: Resident) -> Resident:
+    """``resident`` with the footprint its config's measurement in ``registry`` records.
+
+    A resident's ``gpu_mib`` and ``host_rss_mib`` are copied from its config when it is
+    loaded; a re-measure (``uapplace measure``, then the reload) must not leave the old
+    figure in the ledger, where the planner and the reserve check read it (issue 19:
+    285.5 MiB kept after 813.7 MiB was measured). So after every reload, a resident whose
+    config counts on this machine and was measured on the resident's own device takes
+    the new figures (on a CPU device its GPU figure stays 0). A ``paused`` resident keeps
+    what its pause left (a residual, or nothing for a router model), and a resident whose
+    config is gone or unmeasured keeps what it had. Returns ``resident`` itself when
+    nothing changes."""
+    if resident.state is ResidentState.PAUSED:
+        return resident
+    config = config_of(registry, resident)
+    if config is None or not config.is_measured or config.measured_on != resident.device:
+        return resident
+    device = registry.devices.get(resident.device)
+    on_gpu = device is None or device.kind is DeviceKind.GPU
+    gpu_mib = config.resident_gpu_mib if on_gpu else 0.0
+    if (gpu_mib, config.host_rss_mib) == (resident.gpu_mib, resident.host_rss_mib):
+        return resident
+    return replace(resident, gpu_mib=gpu_mib, host_rss_mib=config.host_rss_mib)
 
 
 def reload_findings(err: ConfigFileError | None) -> list[Finding]:

@@ -41,7 +41,12 @@ from typing import Any
 
 from uapplace import __version__
 from uapplace.controller.alertdesk import AlertDesk
-from uapplace.controller.configstate import ConfigState, LiveConfig, report_topology
+from uapplace.controller.configstate import (
+    ConfigState,
+    LiveConfig,
+    measured_footprint,
+    report_topology,
+)
 from uapplace.controller.door import EnforcementDoor
 from uapplace.controller.dropins import ManagerReload, no_manager_to_reload
 from uapplace.controller.holds import BusHold, HoldTable
@@ -59,6 +64,7 @@ from uapplace.controller.ports import (
     ResidentRow,
     standalone_collaborators,
 )
+from uapplace.controller.reserve import ReserveWatch
 from uapplace.controller.standing import Cooldowns, UsageClocks
 from uapplace.core.admission import (
     DEFAULT_TTL_SECONDS,
@@ -126,6 +132,7 @@ class Controller:
         self._alerts = AlertDesk(
             clock, self._counters, self._events, collaborators.notifier, self.spawn, self.mark_dirty
         )
+        self._reserve = ReserveWatch(self._alerts.board)
         self._rails = RailsCache()
         self._reload_error: ConfigFileError | None = None
         self._enforcement = EnforcementDoor(self.flush, self.live_pending_entry, self.model_named)
@@ -189,14 +196,20 @@ class Controller:
     def restore(self, doc: LedgerDoc) -> None:
         """Residents, usage, cooldowns and live pending entries from the ledger."""
         now = self._clock()
-        # Holders are live facts (connections, requests); none survives a restart.
+        # Holders and sleep are live facts (connections, requests, an engine's idle
+        # sleep); none survives a restart.
         # Publication (docs/invariants.md, invariant 2): a resident is forwarded to only after a
         # verify-up passed in this daemon's life, so every restored resident that was
         # serving is ``warming`` until the unit sync (or LedgerPublication) verifies it.
+        # Its footprint is the registry's measurement now (a re-measure while the daemon
+        # was down included: configstate.measured_footprint).
         self._residents = [
-            replace(r, holders=(), state=ResidentState.WARMING)
-            if r.state is ResidentState.HOT
-            else replace(r, holders=())
+            measured_footprint(
+                self.registry,
+                replace(r, holders=(), asleep=False, state=ResidentState.WARMING)
+                if r.state is ResidentState.HOT
+                else replace(r, holders=(), asleep=False),
+            )
             for r in doc.residents
         ]
         self._admission.set_residents(self._residents)
@@ -535,9 +548,36 @@ class Controller:
         self._config.swap(state)
         self._admission.set_registry(state.registry)
         self._usage_keys.clear()
+        self._refresh_footprints()
+        # New figures, devices or configs change every pending entry's options (a park
+        # that had none may have some now): re-plan them all (issue 19).
+        self._planning.request_replan()
+        self.mark_dirty()
         report_topology(self._config.state.registry_load, self._alerts.board)
         await self._collaborators.unit_writer.refresh()
         return True
+
+    def _refresh_footprints(self) -> None:
+        """Residents take the footprints the registry now records for their configs
+        (:func:`~uapplace.controller.configstate.measured_footprint`)."""
+        refreshed = [measured_footprint(self.registry, r) for r in self._residents]
+        changed = [
+            (old, new)
+            for old, new in zip(self._residents, refreshed, strict=True)
+            if new is not old
+        ]
+        for old, new in changed:
+            log.info(
+                "%s on %s: footprint follows its measurement: GPU %s → %s MiB, host %s → %s MiB",
+                new.signature,
+                new.device,
+                old.gpu_mib,
+                new.gpu_mib,
+                old.host_rss_mib,
+                new.host_rss_mib,
+            )
+        if changed:
+            self._set_residents(refreshed)
 
     # ------------------------------------------------------------------ holds
 
@@ -639,6 +679,18 @@ class Controller:
         while True:
             await asyncio.sleep(self._tick_s)
             self.expire()
+            await self.check_reserve()
+
+    async def check_reserve(self) -> frozenset[str]:
+        """A fresh probe against the reserves: the host below its reserve raises one
+        ``below_reserve`` alert per crossing (:mod:`uapplace.controller.reserve`); the
+        devices below now."""
+        try:
+            readings = await self.read_devices()
+        except Exception as err:  # the probe failing must not end the tick
+            log.warning("reserve check: cannot read the devices: %s", err)
+            return self._reserve.below
+        return self._reserve.check(self.registry, self._residents, readings)
 
     def expire(self) -> list[PendingEntry]:
         """Drop expired entries (``Resolved(id, "expired")``) and lapsed cooldowns."""

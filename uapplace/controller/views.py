@@ -7,14 +7,16 @@ asks it to reload first, through its API); the bus service (``service.py``) call
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from uapplace.controller.configstate import reload_findings
 from uapplace.controller.pending import pending_listing
+from uapplace.controller.reserve import device_rooms
 from uapplace.core.errors import NotFound
 from uapplace.core.model import DEFAULT_CELLS
 from uapplace.core.planner import plan_unload
-from uapplace.files.capacity import Finding, has_errors
+from uapplace.files.capacity import Finding, has_errors, timeouts_findings
 from uapplace.files.capacity import validate as validate_capacity
 from uapplace.files.ledger import doc_to_json
 from uapplace.files.registry import provenance_rows
@@ -30,10 +32,13 @@ async def state_json(controller: Controller) -> dict[str, Any]:
     out = doc_to_json(doc)
     config = controller.config.state
     load = config.registry_load
+    rooms = device_rooms(load.registry, controller.residents, readings)
     for key, device in out["devices"].items():
         configured = load.registry.devices.get(key)
         if configured is not None:
             device["reserved_mib"] = configured.reserved_mib
+        if key in rooms:  # what placement may still use: the planner's own count (§4.4)
+            device["room_mib"] = round(rooms[key], 3)
     out["daemon"] = True
     out["daemon_version"] = controller.version
     out["holds"] = [h.to_json() for h in controller.holds.values()]
@@ -103,6 +108,7 @@ async def validate(controller: Controller) -> dict[str, Any]:
     config = controller.config.state
     findings = reload_findings(controller.reload_error) + config.policy_findings()
     findings.extend(validate_capacity(config.registry_load, config.policy))
+    findings.extend(await asyncio.to_thread(timeouts_findings, config.paths.enforcement_timeouts))
     findings.extend(await live_findings(controller))
     return {
         "ok": not has_errors(findings),

@@ -187,10 +187,17 @@ class Admission:
         return self._ttl
 
     def set_registry(self, registry: Registry) -> None:
-        """A new registry: re-index its ids and the residents' advertised ids."""
+        """A new registry: re-index its ids and the residents' advertised ids; a pending
+        entry parked for what the registry said (unknown, unmeasured, loadable) now says
+        what the new one says (issue 19: a model measured meanwhile is ``not_resident``)."""
         self._registry = registry
         self._index_registry()
         self._index_residents()
+        for entry in list(self._pending.values()):
+            if entry.reason in _REGISTRY_REASONS:
+                reason = self._park_reason(entry.requested_model)
+                if reason is not entry.reason:
+                    self._pending[entry.id] = replace(entry, reason=reason)
 
     def set_residents(self, residents: Sequence[Resident]) -> None:
         """The ledger's residents now; the forward index is rebuilt from them."""
@@ -427,6 +434,12 @@ def check_option_index(placement_id: str, option: int, count: int) -> None:
         raise InvalidArgument(
             f"option {option} is out of range: placement {placement_id} has options 1..{count}"
         )
+
+
+_REGISTRY_REASONS = frozenset(
+    {ParkReason.UNKNOWN_MODEL, ParkReason.NO_MEASURED_CONFIG, ParkReason.NOT_RESIDENT}
+)
+"""Park reasons that only restate the registry, recomputed when it changes."""
 
 
 def _loadable(configs: Iterable[Config]) -> ParkReason:

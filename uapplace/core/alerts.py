@@ -49,6 +49,13 @@ class AlertKind(StrEnum):
     """A configuration file is broken; the last good one stays in force."""
     ENFORCEMENT_FAILED = "enforcement_failed"
     """An unattended run (auto, idle, notification click) failed and was rolled back."""
+    BELOW_RESERVE = "below_reserve"
+    """The host's memory went below its reserve: the probe reads less free than
+    ``reserved_mib``, or the residents' measured footprints leave less (an engine that
+    slept and woke took back what it had given; docs/placement-rules.md §4.4)."""
+    FORCED_STOP = "forced_stop"
+    """A unit a run stopped ignored SIGTERM and was SIGKILLed after its stop timeout:
+    in-flight work may have been cut (docs/placement-rules.md §4.6, "Forced stops")."""
 
 
 class Severity(StrEnum):

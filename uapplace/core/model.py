@@ -29,11 +29,14 @@ PauseLever = Literal["vllm-sleep-1", "vllm-sleep-2", "llamacpp-router"]
 ``llamacpp-router``: llama.cpp's router unloads the model in place. Declared per config
 by the operator in the registry; whether it is executable is :data:`EXECUTABLE_LEVERS`."""
 
-EXECUTABLE_LEVERS: frozenset[str] = frozenset({"vllm-sleep-1", "vllm-sleep-2"})
-"""The levers enforcement can drive today (vLLM's sleep API through
-:mod:`uapplace.io.engines`). ``llamacpp-router`` is accepted in the registry but stays
-display-only (docs/placement-rules.md §9.4: until an engine's way back exists, ``paused`` is
-display-only for its configs): the planner never offers it as ``pause``."""
+EXECUTABLE_LEVERS: frozenset[str] = frozenset({"vllm-sleep-1", "vllm-sleep-2", "llamacpp-router"})
+"""The levers enforcement can drive: vLLM's sleep API (:mod:`uapplace.io.engines`) and
+llama.cpp's router (:mod:`uapplace.io.router`: ``POST /models/unload`` pauses, ``POST
+/models/load`` wakes; docs/placement-rules.md §4.2, "What paused is")."""
+
+ROUTER_LEVER = "llamacpp-router"
+"""The lever of a router model: one model of a llama.cpp router
+(``llama-server --models-dir``), paused by unloading its child process."""
 
 
 def iso(ts: float) -> str:
@@ -173,6 +176,12 @@ class Config:
         if self.pause_lever == "vllm-sleep-2":
             return 2
         return None
+
+    @property
+    def is_router_model(self) -> bool:
+        """One model of a llama.cpp router (:data:`ROUTER_LEVER`): its unit and endpoint are
+        the router's, shared with its sibling models (docs/placement-rules.md §4.2)."""
+        return self.pause_lever == ROUTER_LEVER
 
     @property
     def is_measured(self) -> bool:
@@ -338,6 +347,12 @@ class Resident:
     since: str
     holders: tuple[Holder, ...] = ()
     main_pid: int | None = None
+    asleep: bool = False
+    """Its engine says it is asleep on its own (llama.cpp ``--sleep-idle-seconds``,
+    ``/props`` ``is_sleeping``): a live fact shown to the operator, not a state. It
+    stays ``hot`` (the engine wakes itself on the next request, so admission keeps
+    forwarding) and the planner still counts its measured footprint
+    (docs/placement-rules.md §4.2, "Asleep is not paused")."""
 
     @property
     def target_id(self) -> str:
@@ -423,6 +438,17 @@ class Victim:
     alternative: str = ""
     """What the other action would cost for this victim ("pausing instead: wake ≈ 1.5 s,
     host RAM +6,000 MiB"), empty when there is no other action."""
+    frees_host_mib: float = 0.0
+    """Host RAM its action gives back: its measured ``host_rss_mib`` for a stop (and for
+    a router model's pause, whose process ends); 0 for a vLLM pause, whose process
+    stays. On a CPU device (``device_kind`` ``cpu``) this is the memory that counts."""
+    device_kind: DeviceKind = DeviceKind.GPU
+    """The kind of its device: on ``cpu`` its memory is host RAM and ``frees_mib`` (GPU)
+    is 0, so a preview shows ``frees_host_mib`` (docs/placement-rules.md §4.5)."""
+
+    @property
+    def on_host(self) -> bool:
+        return self.device_kind is DeviceKind.CPU
 
     @property
     def signature(self) -> str:
@@ -442,6 +468,8 @@ class Victim:
             "reload_mib": self.reload_mib,
             "action": self.action,
             "serve_again_s": self.serve_again_s,
+            "frees_host_mib": round(self.frees_host_mib, 3),
+            "device_kind": self.device_kind.value,
         }
         if self.residual_mib:
             out["residual_mib"] = round(self.residual_mib, 3)
@@ -479,6 +507,16 @@ class Option:
     form_rank: float = 0.0
     """Orders the stop and pause forms of one displacement: the expected time until
     the victims serve again when measured, else pause (0) before stop (1)."""
+    host_mib: float = 0.0
+    """Host RAM the option adds: the config's measured ``host_rss_mib`` (0 for reuse, and
+    for a wake that moves weights out of the host). On a CPU device it is the option's
+    whole cost (``cost_mib``, the GPU formula of §4.4, is 0 there)."""
+    device_kind: DeviceKind = DeviceKind.GPU
+    """The kind of the option's device (``cpu``: the CPU tier, placed against host RAM)."""
+
+    @property
+    def on_host(self) -> bool:
+        return self.device_kind is DeviceKind.CPU
 
     @property
     def signature(self) -> tuple[str, ...]:
@@ -494,6 +532,10 @@ class Option:
     def frees_mib(self) -> float:
         return sum(v.frees_mib for v in self.victims)
 
+    @property
+    def frees_host_mib(self) -> float:
+        return sum(v.frees_host_mib for v in self.victims)
+
     def to_json(self) -> dict[str, Any]:
         """docs/http-contract.md §4's option (``victims``, ``affinityMatch`` where they apply)."""
         out: dict[str, Any] = {
@@ -501,12 +543,15 @@ class Option:
             "model": self.model,
             "config": self.config,
             "device": self.device,
+            "device_kind": self.device_kind.value,
             "cost_mib": round(self.cost_mib, 3),
+            "host_mib": round(self.host_mib, 3),
         }
         if self.kind in (OptionKind.DISPLACE, OptionKind.WAKE):
             out["victims"] = [v.to_json() for v in self.victims]
             out["signature"] = list(self.signature)
             out["frees_mib"] = round(self.frees_mib, 3)
+            out["frees_host_mib"] = round(self.frees_host_mib, 3)
         if self.kind is not OptionKind.REUSE:
             out["expected_s"] = None if self.expected_s is None else round(self.expected_s, 1)
         if self.kind is OptionKind.LOAD_ALONGSIDE:

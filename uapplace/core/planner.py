@@ -18,8 +18,15 @@ Rules that are easy to get wrong, all fail-closed:
   the candidate device are loaded. Unmeasured residents may be reused, never
   displaced.
 - Host RAM is a hard gate on ``cpu0``: the config's ``host_rss_mib`` must fit
-  in the probe's MemAvailable, plus what the victims free, minus the host
-  reserve.
+  in the host's room, plus what the victims free. The room counts every resident
+  at its measured footprint, whatever the probe shows it using now
+  (:func:`host_room`): ``min(probe free − reserved, total − reserved − Σ
+  host_rss_mib of every resident)``. An engine that gave its memory back for a
+  while (llama.cpp's idle sleep: 833 MB down to 20 MB, and back on the next
+  request) is still counted whole, and a swing of a shared host's free memory
+  can only lower the room, never lend out memory a resident will take back. A
+  resident with no measured ``host_rss_mib`` counts 0 in the sum (the probe's
+  term still sees what it holds).
 - A resident held on the bus (a ``hold`` holder) is never a victim.
 - Two residents cannot share one systemd unit: a resident that runs the
   candidate's unit on the same device must be among the victims, and one on
@@ -70,12 +77,14 @@ from uapplace.core.model import (
 )
 from uapplace.core.ranking import affinity_match, form_ranks, rank_options
 from uapplace.core.topology import same_endpoint
+from uapplace.core.unitnames import unit_file_name
 from uapplace.core.victims import (
     config_of,
     envelope_figure,
     fmt_mib,
     holds,
     model_of,
+    pause_frees_host,
     pause_level,
     serves,
     victim_of,
@@ -161,15 +170,77 @@ def plan_unload(inp: PlanInput, model: str) -> tuple[Victim, ...]:
     return tuple(victim_of(inp.registry, r, inp.inflight_known) for r in matched)
 
 
-__all__ = ["PlanInput", "plan", "plan_unload"]
+@dataclass(frozen=True)
+class HostRoom:
+    """The host RAM placement may still use above the host's reserve
+    (docs/placement-rules.md §4.4), and the two readings it is the lesser of."""
+
+    host: Device
+    probe_free_mib: float
+    """What the probe reads free now (``MemAvailable``)."""
+    held_mib: float
+    """Σ measured ``host_rss_mib`` of every resident."""
+    residents: int
+
+    @property
+    def by_probe(self) -> float:
+        return self.probe_free_mib - self.host.reserved_mib
+
+    @property
+    def by_footprints(self) -> float:
+        """What is left with every resident at its measured footprint."""
+        return self.host.total_mib - self.host.reserved_mib - self.held_mib
+
+    @property
+    def mib(self) -> float:
+        return min(self.by_probe, self.by_footprints)
+
+    def text(self) -> str:
+        """``91,808 MiB available above the 8,192 MiB reserve`` and, when the residents'
+        measured footprints are what limits it, how that figure was reached."""
+        reserve = f"the {fmt_mib(self.host.reserved_mib)} MiB reserve"
+        text = f"{fmt_mib(self.mib)} MiB available above {reserve}"
+        if self.by_footprints < self.by_probe:
+            text += (
+                f" (residents counted at their measured footprints: "
+                f"{fmt_mib(self.host.total_mib)} total − {fmt_mib(self.host.reserved_mib)} "
+                f"reserved − {fmt_mib(self.held_mib)} held by {self.residents} resident(s); "
+                f"the probe reads {fmt_mib(self.probe_free_mib)} MiB free)"
+            )
+        return text
+
+
+def host_room(host: Device, reading: DeviceReading, residents: Sequence[Resident]) -> HostRoom:
+    """The host's room for planning (docs/placement-rules.md §4.4): ``min(probe free −
+    reserved, total − reserved − Σ host_rss_mib of every resident)``. Every resident
+    counts at its measured footprint whatever the probe shows it using now (an engine
+    asleep gave its memory back only until its next request); the probe's term still
+    catches what no resident accounts for."""
+    held = sum(r.host_rss_mib or 0.0 for r in residents)
+    return HostRoom(host, reading.free_mib, held, len(residents))
+
+
+__all__ = ["HostRoom", "PlanInput", "host_room", "plan", "plan_unload"]
 
 
 def _reuse_options(inp: PlanInput, requested: str) -> list[Option]:
     return [
-        Option(OptionKind.REUSE, r.model, r.config, r.device, cost_mib=0.0)
+        Option(
+            OptionKind.REUSE,
+            r.model,
+            r.config,
+            r.device,
+            cost_mib=0.0,
+            device_kind=_kind_of(inp.registry, r.device),
+        )
         for r in inp.residents
         if r.state not in _NOT_SERVING and serves(inp.registry, r, requested)
     ]
+
+
+def _kind_of(registry: Registry, device_key: str) -> DeviceKind:
+    device = registry.devices.get(device_key)
+    return device.kind if device is not None else DeviceKind.GPU
 
 
 # --------------------------------------------------------------------------- one candidate
@@ -180,8 +251,7 @@ class _Budget:
     """One device's arithmetic for one candidate."""
 
     device: Device
-    host: Device
-    host_free_mib: float
+    host: HostRoom
     cost: float
     on_device: tuple[Resident, ...]
 
@@ -211,7 +281,8 @@ class _Budget:
 
     @property
     def host_room(self) -> float:
-        return self.host_free_mib - self.host.reserved_mib
+        """Host RAM above the reserve, every resident at its measured footprint."""
+        return self.host.mib
 
 
 class _Search:
@@ -244,7 +315,8 @@ class _Search:
         twin = self._same_config_resident(config)
         wake: Resident | None = None
         if twin is not None:
-            wakeable = twin.state is ResidentState.PAUSED and config.sleep_level is not None
+            can_wake = config.sleep_level is not None or config.is_router_model
+            wakeable = twin.state is ResidentState.PAUSED and can_wake
             if wakeable and twin.device == device_key:
                 wake = twin
             elif wakeable or twin.state not in _NOT_SERVING:
@@ -259,12 +331,12 @@ class _Search:
         required, clash = self._unit_clash(config, device_key, wake)
         if clash is not None:
             return [f"{device_key}: {clash}"]
-        port_owners, clash = self._port_clash(device_key, wake)
+        port_owners, clash = self._port_clash(device_key, wake, config)
         if clash is not None:
             return [f"{device_key}: {clash}"]
         required += [r for r in port_owners if r not in required]
         gpu_need = budget.gpu_need
-        host_rss = 0.0 if wake else config.host_rss_mib or 0.0
+        host_rss = _host_to_add(config, waking=wake is not None)
         host_need = host_rss - budget.host_room
         if budget.fits_alongside and host_need <= EPSILON_MIB and not required:
             if wake is not None:
@@ -278,6 +350,8 @@ class _Search:
                     budget.cost,
                     affinity_match=affinity_match(self.model, device_key, self.task),
                     expected_s=envelope_figure(config, "cold_start_s"),
+                    host_mib=host_rss,
+                    device_kind=budget.device.kind,
                 )
             ]
         kind = OptionKind.WAKE if wake is not None else OptionKind.DISPLACE
@@ -300,6 +374,8 @@ class _Search:
             victims,
             expected_s=self._expected_s(kind, config, victims),
             form_rank=form_rank,
+            host_mib=_host_to_add(config, waking=kind is OptionKind.WAKE),
+            device_kind=budget.device.kind,
         )
 
     def _expected_s(
@@ -369,7 +445,7 @@ class _Search:
                     f"{device_key}: footprint of {', '.join(unknown)} unknown; the device budget "
                     "is unknown, so nothing loads there"
                 )
-        return _Budget(device, host, host_reading.free_mib, cost, on_device)
+        return _Budget(device, host_room(host, host_reading, self.inp.residents), cost, on_device)
 
     def _unit_clash(
         self, config: Config, device_key: str, wake: Resident | None = None
@@ -385,9 +461,10 @@ class _Search:
         edges = self._edges[unit]
         required: list[Resident] = []
         for resident in self.inp.residents:
-            if resident == wake:
+            if resident == wake or self._idle_sibling(resident, config):
                 continue
-            if resident.unit == unit:
+            if resident.unit is not None and unit_file_name(resident.unit) == unit_file_name(unit):
+                # Residents carry the unit's file name (``x.service``), the registry may not.
                 what, link = f"unit {unit} already runs {resident.signature}", "which"
             elif resident.unit is not None and resident.unit in edges:
                 what = f"{resident.signature} ({resident.unit}) can never be resident with {unit}"
@@ -402,8 +479,27 @@ class _Search:
             required.append(resident)
         return required, None
 
+    def _co_hosted(self, resident: Resident, config: Config) -> bool:
+        """``resident`` and the candidate ``config`` are models of one llama.cpp router
+        (both ``pause_lever: llamacpp-router``, one unit): the router stays up and one
+        model makes room for the other by unloading (docs/placement-rules.md §4.2)."""
+        if not config.is_router_model:
+            return False
+        theirs = config_of(self.registry, resident)
+        if theirs is None or not theirs.is_router_model:
+            return False
+        unit = self.model.unit_for(config)
+        if unit is None or resident.unit is None:
+            return False
+        return unit_file_name(resident.unit) == unit_file_name(unit)
+
+    def _idle_sibling(self, resident: Resident, config: Config) -> bool:
+        """A paused model of the candidate's router: unloaded, it holds no place in the
+        router (``--models-max``) and nothing on the device, so it is not in the way."""
+        return resident.state is ResidentState.PAUSED and self._co_hosted(resident, config)
+
     def _port_clash(
-        self, device_key: str, wake: Resident | None = None
+        self, device_key: str, wake: Resident | None = None, config: Config | None = None
     ) -> tuple[list[Resident], str | None]:
         """Behind a single-upstream proxy (``proxy.single_upstream``) one engine at a time
         owns the port: every resident on it must go, so a load is never ``load_alongside``
@@ -415,7 +511,7 @@ class _Search:
             return [], None
         required: list[Resident] = []
         for resident in self.inp.residents:
-            if resident == wake:
+            if resident == wake or (config is not None and self._idle_sibling(resident, config)):
                 continue
             if resident.endpoint is not None and not same_endpoint(resident.endpoint, upstream):
                 continue
@@ -468,14 +564,14 @@ class _Search:
             ceil_mib(host_need) - sum(it.host_mib for it in forced),
         )
         if found is None:
-            host_rss = 0.0 if kind is OptionKind.WAKE else config.host_rss_mib or 0.0
+            host_rss = _host_to_add(config, waking=kind is OptionKind.WAKE)
             return [self._no_room(label, budget, items + forced, gpu_need, host_rss, notes)]
         chosen = sorted(
             (it.resident for it in (*forced, *found)), key=lambda r: (r.signature, r.device)
         )
         victims = tuple(victim_of(self.registry, r, self.inp.inflight_known) for r in chosen)
         stop_form = self._option(kind, config, budget, victims, form_rank=1.0)
-        paused = self._pause_form(label, budget, chosen, required, gpu_need, host_need)
+        paused = self._pause_form(config, budget, chosen, required, gpu_need, host_need)
         if paused is None:
             return [stop_form]
         if isinstance(paused, str):
@@ -486,7 +582,7 @@ class _Search:
 
     def _pause_form(
         self,
-        label: str,
+        config: Config,
         budget: _Budget,
         chosen: Sequence[Resident],
         required: Sequence[Resident],
@@ -497,15 +593,21 @@ class _Search:
         not fit, or ``None`` when none can be paused.
 
         A victim that must go because it runs the candidate's unit, or owns the single
-        upstream, is always stopped (a paused engine keeps its unit and its port). The
+        upstream, is always stopped (a paused engine keeps its unit and its port) —
+        unless it is a model of the candidate's own llama.cpp router, which makes room by
+        unloading while the router keeps the unit and the port (:meth:`_co_hosted`). The
         form is checked on both devices: the GPU MiB the pauses free (the envelope's
         ``sleep_freed_mib`` when measured) plus the stops must still cover the need,
         and a level-1 pause moves weights into host RAM, so the host-RAM gate counts
         them (:func:`pause_figures`). It is the stop form's victim set, not a new
         search: the two forms differ only in what happens to each victim.
         """
+        label = f"{self.model.key}/{config.key}"
         actions: list[VictimAction] = [
-            "pause" if r not in required and pause_level(self.registry, r) is not None else "stop"
+            "pause"
+            if pause_level(self.registry, r) is not None
+            and (r not in required or self._co_hosted(r, config))
+            else "stop"
             for r in chosen
         ]
         if "pause" not in actions:
@@ -522,16 +624,16 @@ class _Search:
                 "engines keep the rest)"
             )
         stopped_host = sum(
-            r.host_rss_mib or 0.0 for r, a in zip(chosen, actions, strict=True) if a == "stop"
+            r.host_rss_mib or 0.0
+            for r, a in zip(chosen, actions, strict=True)
+            if a == "stop" or pause_frees_host(self.registry, r)
         )
         grows = sum(v.host_grows_mib for v in victims)
         short = host_need + grows - stopped_host
         if short > EPSILON_MIB:
-            host = budget.host
             return (
-                f"{host.key}: {what} moves {fmt_mib(grows)} MiB of weights into host RAM; "
-                f"{fmt_mib(budget.host_room)} MiB available above the "
-                f"{fmt_mib(host.reserved_mib)} MiB reserve is {fmt_mib(short)} MiB short"
+                f"{budget.host.host.key}: {what} moves {fmt_mib(grows)} MiB of weights into "
+                f"host RAM; {budget.host.text()} is {fmt_mib(short)} MiB short"
             )
         return victims
 
@@ -560,7 +662,6 @@ class _Search:
                 f"{fmt_mib(budget.gpu_loaded)} loaded leaves {fmt_mib(budget.gpu_room)} MiB"
                 f"{more}{suffix}"
             )
-        host = budget.host
         extra = sum(it.host_mib for it in eligible)
         freed = (
             f", even after displacing every eligible resident there (+{fmt_mib(extra)} MiB)"
@@ -568,10 +669,18 @@ class _Search:
             else ""
         )
         return (
-            f"{host.key}: host RAM {fmt_mib(host_rss)} MiB needed, "
-            f"{fmt_mib(budget.host_room)} MiB available above the "
-            f"{fmt_mib(host.reserved_mib)} MiB reserve (for {label} on {device.key}{freed}){suffix}"
+            f"{budget.host.host.key}: host RAM {fmt_mib(host_rss)} MiB needed, "
+            f"{budget.host.text()} (for {label} on {device.key}{freed}){suffix}"
         )
+
+
+def _host_to_add(config: Config, waking: bool) -> float:
+    """Host RAM the candidate adds: its ``host_rss_mib``; a wake adds none (waking moves
+    weights out of the host, or back from disk into the GPU), except a router model's,
+    whose wake loads it into a new child process (docs/placement-rules.md §4.2)."""
+    if waking and not config.is_router_model:
+        return 0.0
+    return config.host_rss_mib or 0.0
 
 
 def _unavailable(device_key: str, reading: DeviceReading | None) -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from uapplace.core.model import (
     EXECUTABLE_LEVERS,
     Config,
+    DeviceKind,
     Model,
     Registry,
     Resident,
@@ -66,8 +67,22 @@ def in_flight(resident: Resident, inflight_known: bool) -> bool | None:
     return any(h.kind == "inflight" for h in resident.holders)
 
 
-def consequence(state: ResidentState, busy: bool | None) -> str:
-    """docs/placement-rules.md §4.5: what stopping a resident in ``state`` costs its users."""
+def device_kind_of(registry: Registry, resident: Resident) -> DeviceKind:
+    """The kind of the device a resident is on (a device the registry lost counts as a GPU,
+    the kind every figure of a victim was first written for)."""
+    device = registry.devices.get(resident.device)
+    return device.kind if device is not None else DeviceKind.GPU
+
+
+def memory_word(kind: DeviceKind) -> str:
+    """What a device's memory is called in a consequence: ``VRAM``, or ``host RAM`` on
+    the CPU tier (docs/placement-rules.md §4.5)."""
+    return "host RAM" if kind is DeviceKind.CPU else "VRAM"
+
+
+def consequence(state: ResidentState, busy: bool | None, kind: DeviceKind = DeviceKind.GPU) -> str:
+    """docs/placement-rules.md §4.5: what stopping a resident in ``state`` costs its users
+    (``kind``: its device's, which names the memory a warming load wastes)."""
     if state is ResidentState.HOT:
         if busy is True:
             return "active generation aborted; context lost"
@@ -78,7 +93,7 @@ def consequence(state: ResidentState, busy: bool | None) -> str:
             )
         return "session idle, context lost, reload needed"
     if state is ResidentState.WARMING:
-        return "load wasted; VRAM returns on stop"
+        return f"load wasted; {memory_word(kind)} returns on stop"
     if state is ResidentState.PAUSED:
         return "already offloaded; restore path lost"
     if busy is True:
@@ -91,9 +106,16 @@ def consequence(state: ResidentState, busy: bool | None) -> str:
     return "already draining and idle; the stop completes the drain, reload needed"
 
 
-def pause_consequence(level: int, busy: bool | None) -> str:
+ROUTER_PAUSE_LEVEL = 2
+"""A llama.cpp router model pauses like vLLM's level 2 discards: its child process ends,
+so its whole footprint (weights, KV, host RAM) is freed and nothing moves into host RAM;
+a wake loads it from disk again (docs/placement-rules.md §4.2, "What paused is")."""
+
+
+def pause_consequence(level: int, busy: bool | None, router: bool = False) -> str:
     """The §4.5 table's ``pause`` row (issue 12): KV and context are lost either way;
-    what differs from a stop is where the weights go and how the model comes back."""
+    what differs from a stop is where the weights go and how the model comes back
+    (``router``: a llama.cpp router model, whose pause ends its child process)."""
     if busy is True:
         first = "active generation aborted; context lost"
     elif busy is None:
@@ -103,6 +125,11 @@ def pause_consequence(level: int, busy: bool | None) -> str:
         )
     else:
         first = "session idle, context lost"
+    if router:
+        return (
+            f"{first}; paused: the router unloads it (its process ends, its memory is "
+            "freed), wake reloads it from disk in the router (no unit restart)"
+        )
     if level == 1:
         return f"{first}; paused: weights offloaded to host RAM, wake needed (no reload)"
     return f"{first}; paused: weights discarded, wake reloads them from disk"
@@ -113,7 +140,9 @@ CONSEQUENCES: tuple[tuple[str, str, str, str], ...] = (
     ("hot", "stop", "no", "session idle, context lost, reload needed"),
     ("hot", "pause (level 1)", "no", pause_consequence(1, False)),
     ("hot", "pause (level 2)", "no", pause_consequence(2, False)),
+    ("hot", "pause (router)", "no", pause_consequence(ROUTER_PAUSE_LEVEL, False, router=True)),
     ("warming", "stop", "—", "load wasted; VRAM returns on stop"),
+    ("warming (cpu)", "stop", "—", consequence(ResidentState.WARMING, None, DeviceKind.CPU)),
     ("paused", "stop", "—", "already offloaded; restore path lost"),
 )
 """The consequence table of docs/placement-rules.md §4.5 (state, action, in flight,
@@ -141,13 +170,28 @@ def pause_level(registry: Registry, resident: Resident) -> int | None:
     """The sleep level enforcement would pause ``resident`` with, ``None`` when it cannot
     be paused: only a ``hot`` resident whose config declares an executable lever
     (:data:`~uapplace.core.model.EXECUTABLE_LEVERS`), measured for this machine, with an
-    endpoint to send the sleep to."""
+    endpoint to send the sleep to. A router model's is :data:`ROUTER_PAUSE_LEVEL`."""
     config = config_of(registry, resident)
     if config is None or config.pause_lever not in EXECUTABLE_LEVERS:
         return None
     if resident.state is not ResidentState.HOT or resident.endpoint is None:
         return None
-    return config.sleep_level
+    return ROUTER_PAUSE_LEVEL if config.is_router_model else config.sleep_level
+
+
+def host_freed(registry: Registry, resident: Resident, action: VictimAction) -> float:
+    """Host RAM ``action`` gives back: the resident's measured ``host_rss_mib`` for a stop
+    or a router model's pause (its process ends), 0 for a vLLM pause (it stays)."""
+    if action == "pause" and not pause_frees_host(registry, resident):
+        return 0.0
+    return resident.host_rss_mib or 0.0
+
+
+def pause_frees_host(registry: Registry, resident: Resident) -> bool:
+    """Whether pausing ``resident`` gives its host RAM back (a router model's child
+    process ends); a vLLM sleep keeps the process, and its host RAM, alive."""
+    config = config_of(registry, resident)
+    return config is not None and config.is_router_model
 
 
 def pause_figures(config: Config | None, resident: Resident, level: int) -> tuple[float, float]:
@@ -186,26 +230,27 @@ def victim_of(
     busy = in_flight(resident, inflight_known)
     config = config_of(registry, resident)
     level = pause_level(registry, resident)
+    kind = device_kind_of(registry, resident)
     cold = envelope_figure(config, "cold_start_s")
     wake = envelope_figure(config, "wake_s")
     freed, grows = pause_figures(config, resident, level) if level is not None else (0.0, 0.0)
     if action == "pause":
         if level is None:
             raise ValueError(f"{resident.signature}: cannot be paused (no executable lever)")
-        text = pause_consequence(level, busy)
-        held = fmt_mib(resident.gpu_mib or 0.0)
-        alternative = f"stopping instead: reload ≈ {_seconds(cold)}, frees {held} MiB"
+        text = pause_consequence(level, busy, router=config is not None and config.is_router_model)
+        held = _freed_text(kind, resident.gpu_mib or 0.0, host_freed(registry, resident, "stop"))
+        alternative = f"stopping instead: reload ≈ {_seconds(cold)}, frees {held}"
     else:
-        text = consequence(resident.state, busy)
+        text = consequence(resident.state, busy, kind)
         alternative = ""
         if level is not None:
             host = f", host RAM +{fmt_mib(grows)} MiB" if grows else ""
-            alternative = (
-                f"pausing instead: wake ≈ {_seconds(wake)}, frees {fmt_mib(freed)} MiB{host}"
-            )
-    if resident.gpu_mib is None:
-        text += "; VRAM it frees is unknown (footprint not measured)"
-    reload_mib = config.resident_gpu_mib if config is not None and config.is_measured else None
+            paused_frees = _freed_text(kind, freed, host_freed(registry, resident, "pause"))
+            alternative = f"pausing instead: wake ≈ {_seconds(wake)}, frees {paused_frees}{host}"
+    footprint = resident.host_rss_mib if kind is DeviceKind.CPU else resident.gpu_mib
+    if footprint is None:
+        text += f"; {memory_word(kind)} it frees is unknown (footprint not measured)"
+    reload_mib = _reload_mib(config, kind)
     paused = action == "pause"
     return Victim(
         model=resident.model,
@@ -216,13 +261,30 @@ def victim_of(
         in_flight=busy,
         frees_mib=freed if paused else resident.gpu_mib or 0.0,
         consequence=text,
-        reload_mib=reload_mib if reload_mib is not None else resident.gpu_mib,
+        reload_mib=reload_mib if reload_mib is not None else footprint,
         action=action,
         serve_again_s=wake if paused else cold,
         residual_mib=max(0.0, (resident.gpu_mib or 0.0) - freed) if paused else 0.0,
         host_grows_mib=grows if paused else 0.0,
         alternative=alternative,
+        frees_host_mib=host_freed(registry, resident, action),
+        device_kind=kind,
     )
+
+
+def _reload_mib(config: Config | None, kind: DeviceKind) -> float | None:
+    """What bringing the victim back costs on its device: its measured GPU figure, or
+    on the CPU tier its measured host RAM; ``None`` when unmeasured."""
+    if config is None or not config.is_measured:
+        return None
+    return config.host_rss_mib if kind is DeviceKind.CPU else config.resident_gpu_mib
+
+
+def _freed_text(kind: DeviceKind, gpu_mib: float, host_mib: float) -> str:
+    """``4,000 MiB`` on a GPU; ``813.7 MiB of host RAM`` on the CPU tier."""
+    if kind is DeviceKind.CPU:
+        return f"{fmt_mib(host_mib)} MiB of host RAM"
+    return f"{fmt_mib(gpu_mib)} MiB"
 
 
 def fmt_mib(mib: float) -> str:

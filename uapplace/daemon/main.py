@@ -21,8 +21,11 @@ this module owns the arguments, the bus connection and name, the signals and the
 exit codes.
 
 SIGTERM/SIGINT: refuse new enforcement, let a running one finish or roll back
-(bounded), flush the ledger, release the name, exit 0. SIGHUP re-reads the registry
-(a bad file keeps the last good one). Losing the bus connection flushes and exits 1.
+(bounded), flush the ledger, release the name, exit 0. SIGHUP re-reads the registry,
+the capacity policy and ``enforcement-timeouts.json`` (a bad or untrusted file keeps
+the last good one, with an error line and a ``config_error`` alert naming the file;
+the next enforcement run waits by the new timeouts). Losing the bus connection flushes
+and exits 1.
 
 Exit codes: 0 clean stop, 1 bus unreachable / name owned / bus lost, 2 invalid
 configuration.
@@ -37,6 +40,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from dbus_fast.aio import MessageBus
@@ -46,9 +50,11 @@ from uapplace import __version__
 from uapplace.bus import connection as busio
 from uapplace.bus.util import user_bus_address
 from uapplace.controller.configstate import ConfigState
+from uapplace.core.alerts import AlertKind, Severity
 from uapplace.daemon.wiring import Assembly, build, name_has_owner
-from uapplace.files.jsonfile import ConfigFileError
+from uapplace.files.jsonfile import ConfigFileError, check_trusted
 from uapplace.files.paths import BUS_NAME, Paths
+from uapplace.files.timeouts import Timeouts
 
 log = logging.getLogger("uapplaced")
 
@@ -67,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "Exit codes: 0 stopped cleanly (SIGTERM/SIGINT), 1 bus unreachable, name "
-            "already owned, or bus lost, 2 invalid configuration. SIGHUP re-reads the registry."
+            "already owned, or bus lost, 2 invalid configuration. SIGHUP re-reads the registry, "
+            "the capacity policy and the enforcement timeouts."
         ),
     )
     parser.add_argument("--version", action="version", version=f"uapplaced {__version__}")
@@ -130,6 +137,7 @@ class Daemon:
         # From here on a SIGTERM flushes the ledger, even one that comes during wiring.
         self._install_signal_handlers()
         await assembly.start()
+        await report_config_problems(assembly, self.paths)
         log.info("uapplaced %s owns %s on %s", __version__, BUS_NAME, self.address)
         lost = asyncio.ensure_future(bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
         stopped = asyncio.ensure_future(self.stop.wait())
@@ -172,10 +180,65 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._reload)
 
     def _reload(self) -> None:
-        log.info("SIGHUP: re-reading the registry")
+        log.info("SIGHUP: re-reading the registry, the capacity policy and the timeouts")
         assert self.assembly is not None
-        task = asyncio.ensure_future(self.assembly.reload())
+        task = asyncio.ensure_future(self._reread(self.assembly))
         task.add_done_callback(_log_failure)
+
+    async def _reread(self, assembly: Assembly) -> None:
+        await assembly.reload()
+        await reload_timeouts(assembly, self.paths.enforcement_timeouts)
+        await report_config_problems(assembly, self.paths)
+
+
+async def report_config_problems(assembly: Assembly, paths: Paths) -> int:
+    """A ``config_error`` alert per file uapplaced could not take (at start and after each
+    SIGHUP): the machine-local registry (repo figures in force), the capacity policy (the
+    last good one, or none: verify-up refuses) and an untrusted auto policy (auto off).
+    A broken repo registry and ledger raise their own. Returns how many it raised."""
+    state = assembly.controller.config.state
+    taken: list[tuple[ConfigFileError, str]] = [
+        (err, "it is ignored whole: its measurements do not count until it is fixed")
+        for err in state.registry_load.errors[:1]
+    ]
+    if state.policy_error is not None:
+        kept = "the last good policy stays" if state.policy is not None else "verify-up refuses"
+        taken.append((state.policy_error, kept))
+    try:
+        await asyncio.to_thread(check_trusted, paths.auto_policy)
+    except ConfigFileError as untrusted:
+        taken.append((untrusted, "auto is off: it is never honoured as standing consent"))
+    for problem, kept in taken:
+        assembly.controller.alert_board.raise_alert(
+            AlertKind.CONFIG_ERROR,
+            Severity.WARNING,
+            str(problem.file),
+            f"{problem.file} was not taken ({problem.json_path}: {problem.message}); {kept}",
+        )
+    return len(taken)
+
+
+async def reload_timeouts(assembly: Assembly, path: Path) -> Timeouts | None:
+    """SIGHUP: ``path`` re-read (in a thread) and handed to the enforcer; a bad or untrusted
+    file keeps the timeouts in force (an error line and a ``config_error`` alert naming
+    it). Returns the timeouts now in force, ``None`` when nothing enforces here."""
+    try:
+        timeouts = await asyncio.to_thread(Timeouts.load, path)
+    except ConfigFileError as err:
+        log.error("enforcement timeouts reload failed, keeping the ones in force: %s", err)
+        assembly.controller.alert_board.raise_alert(
+            AlertKind.CONFIG_ERROR,
+            Severity.WARNING,
+            str(err.file),
+            f"the enforcement timeouts do not load ({err}); uapplaced keeps the timeouts it "
+            "had until the file is fixed",
+        )
+        return None
+    if assembly.stack is None:
+        return None
+    assembly.stack.enforcer.use_timeouts(timeouts)
+    log.info("enforcement timeouts re-read from %s (defaults where it is silent)", path)
+    return timeouts
 
 
 def _disconnect_reason(lost: asyncio.Future[Any]) -> str:
@@ -188,7 +251,7 @@ def _disconnect_reason(lost: asyncio.Future[Any]) -> str:
 
 def _log_failure(task: asyncio.Future[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
-        log.error("registry reload failed: %s", task.exception())
+        log.error("SIGHUP reload failed: %s", task.exception())
 
 
 if __name__ == "__main__":

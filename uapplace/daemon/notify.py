@@ -68,6 +68,10 @@ def mib_text(mib: float) -> str:
     return f"{round(mib):,} MiB"
 
 
+def host_text(mib: float) -> str:
+    return f"{mib_text(mib)} of host RAM"
+
+
 def counted(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
@@ -110,7 +114,8 @@ def recommendation_text(option: Option) -> str:
         return f"use {target}, already loaded — nothing is stopped"
     swap = f"; swap ≈ {seconds_text(option.expected_s)}" if option.expected_s is not None else ""
     if option.kind is OptionKind.LOAD_ALONGSIDE:
-        needs = mib_text(option.cost_mib)
+        # The CPU tier's cost is host RAM (docs/placement-rules.md §4.5).
+        needs = host_text(option.host_mib) if option.on_host else mib_text(option.cost_mib)
         return f"load {target} alongside — nothing is stopped, needs {needs}{swap}"
     verb = "load"
     if option.kind is OptionKind.WAKE:
@@ -121,7 +126,8 @@ def recommendation_text(option: Option) -> str:
     paused = [victim_action_text(v) for v in option.victims if v.action == "pause"]
     parts = [f"stops {'; '.join(stopped)}"] if stopped else []
     parts += [f"pauses {'; '.join(paused)}"] if paused else []
-    return f"{verb} {target} — {'; '.join(parts)}, frees {mib_text(option.frees_mib)}{swap}"
+    frees = host_text(option.frees_host_mib) if option.on_host else mib_text(option.frees_mib)
+    return f"{verb} {target} — {'; '.join(parts)}, frees {frees}{swap}"
 
 
 def seconds_text(seconds: float) -> str:

@@ -25,7 +25,6 @@ the expected arguments (dbus-fast alone would say ``UnknownMethod``).
 """
 
 import contextvars
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
@@ -49,7 +48,9 @@ from uapplace.core.model import PendingEntry
 from uapplace.core.validation import first_error_text
 from uapplace.daemon.authz import Action, auto_policy_actions
 from uapplace.files import jsonfile
+from uapplace.files.autopolicy import MAX_IDLE_WINDOW_S
 from uapplace.files.paths import INTERFACE
+from uapplace.files.registry_schema import MAX_KEY_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -103,17 +104,49 @@ _PROPERTY_ANNOTATIONS: dict[str, dict[str, str]] = {
 # --------------------------------------------------------------------------- edges
 
 
+MAX_ID_CHARS = 1024
+"""A model id, placement id, config key or alert id argument (docs/bus-api.md, "Bounds")."""
+MAX_REASON_CHARS = 1024
+"""A ``Hold``'s reason and app id: shown to the operator next to the pin."""
+MAX_LIST_ARGS = 256
+"""Elements of an ``as`` argument (``expected``, ``alert_ids``)."""
+MAX_POLICY_JSON_CHARS = 64 * 1024
+"""``SetAutoPolicy``'s ``policy_json``: a change body is a few hundred bytes."""
+
+_Names = Annotated[list[Annotated[str, Field(max_length=MAX_KEY_CHARS)]], Field(max_length=1024)]
+
+
 class _AutoChangesJson(BaseModel):
     """The shim's ``auto`` body (docs/bus-api.md, "The auto policy"); unknown keys refused."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enable: bool | None = None
     disable: bool | None = None
-    allow_displace: list[str] | None = None
-    disallow_displace: list[str] | None = None
-    allow_unload: list[str] | None = None
-    disallow_unload: list[str] | None = None
-    unload_idle_after_secs: int | None = Field(default=None, ge=0)
+    allow_displace: _Names | None = None
+    disallow_displace: _Names | None = None
+    allow_unload: _Names | None = None
+    disallow_unload: _Names | None = None
+    unload_idle_after_secs: int | None = Field(default=None, ge=0, le=MAX_IDLE_WINDOW_S)
+
+
+def check_text(argument: str, value: str, limit: int = MAX_ID_CHARS) -> str:
+    """A string argument within ``limit`` characters; ``InvalidArgument`` naming it."""
+    if len(value) > limit:
+        raise InvalidArgument(
+            f"argument {argument}: {len(value):,} characters, over the {limit:,} limit"
+        )
+    return value
+
+
+def check_list(argument: str, values: list[str], limit: int = MAX_LIST_ARGS) -> list[str]:
+    """An ``as`` argument of at most ``limit`` elements, each within :data:`MAX_ID_CHARS`."""
+    if len(values) > limit:
+        raise InvalidArgument(
+            f"argument {argument}: {len(values):,} elements, over the {limit:,} limit"
+        )
+    for index, value in enumerate(values):
+        check_text(f"{argument}[{index}]", value)
+    return values
 
 
 def parse_signature(expected: list[str]) -> list[str]:
@@ -123,6 +156,7 @@ def parse_signature(expected: list[str]) -> list[str]:
     show. It is always checked: ``[]`` approves stopping nothing, so a run that
     would stop something is ``Drifted``. A malformed element is ``InvalidArgument``.
     """
+    check_list("expected", expected)
     for index, item in enumerate(expected):
         model, sep, config = item.partition("/")
         if not sep or not model or not config:
@@ -136,16 +170,24 @@ def parse_signature(expected: list[str]) -> list[str]:
 
 
 def parse_auto_changes(text: str) -> dict[str, Any]:
-    """``SetAutoPolicy``'s ``policy_json``: the change body, keys that were given only."""
+    """``SetAutoPolicy``'s ``policy_json``: the change body, keys that were given only.
+
+    Parsed under the files' rules (:func:`uapplace.files.jsonfile.loads_text`: at most
+    64 levels deep, no 5,000-digit integer, no duplicate key) and a 64 KiB cap; each
+    refusal an ``InvalidArgument`` naming ``policy_json`` and the JSON path."""
     try:
-        raw = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as err:
-        raise InvalidArgument(f"policy_json is not JSON: {err}") from None
+        raw = jsonfile.loads_text(text, max_chars=MAX_POLICY_JSON_CHARS) if text.strip() else {}
+    except jsonfile.JsonTextError as err:
+        raise InvalidArgument(f"policy_json is not acceptable JSON: {err}") from None
     try:
         parsed = _AutoChangesJson.model_validate(raw)
     except ValidationError as err:
-        raise InvalidArgument(f"policy_json: {first_error_text(err, '(value)')}") from None
+        raise InvalidArgument(f"policy_json: {_short(first_error_text(err, '(value)'))}") from None
     return parsed.model_dump(exclude_none=True)
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def to_json_text(value: Any) -> str:
@@ -226,11 +268,17 @@ class PlacementInterface(ServiceInterface):
 
     @dbus_method()
     async def Preview(self, model: DBusStr, cells: DBusUInt32) -> DBusStr:
-        return to_json_text(await self._guard(views.preview(self._controller, model, cells)))
+        async def run() -> Any:
+            return await views.preview(self._controller, check_text("model", model), cells)
+
+        return to_json_text(await self._guard(run()))
 
     @dbus_method()
     async def PreviewUnload(self, model: DBusStr) -> DBusStr:
-        return to_json_text(await self._guard(views.preview_unload(self._controller, model)))
+        async def run() -> Any:
+            return await views.preview_unload(self._controller, check_text("model", model))
+
+        return to_json_text(await self._guard(run()))
 
     @dbus_method()
     async def Validate(self) -> DBusStr:
@@ -247,6 +295,7 @@ class PlacementInterface(ServiceInterface):
         self, placement_id: DBusStr, option: DBusUInt32, expected: StringList
     ) -> DBusStr:
         async def run() -> Any:
+            check_text("placement_id", placement_id)
             signature = parse_signature(expected)
             await self._authorize(Action.APPLY)
             return await self._controller.enforcement.apply(placement_id, option, signature)
@@ -256,6 +305,7 @@ class PlacementInterface(ServiceInterface):
     @dbus_method()
     async def Dismiss(self, placement_id: DBusStr) -> DBusBool:
         async def run() -> bool:
+            check_text("placement_id", placement_id)
             await self._authorize(Action.DISMISS)
             return self._controller.dismiss(placement_id)
 
@@ -264,6 +314,7 @@ class PlacementInterface(ServiceInterface):
     @dbus_method()
     async def Load(self, model: DBusStr, expected: StringList) -> DBusStr:
         async def run() -> Any:
+            check_text("model", model)
             signature = parse_signature(expected)
             await self._authorize(Action.LOAD)
             return await self._controller.enforcement.load(model, signature)
@@ -273,6 +324,7 @@ class PlacementInterface(ServiceInterface):
     @dbus_method()
     async def Unload(self, model: DBusStr, expected: StringList) -> DBusStr:
         async def run() -> Any:
+            check_text("model", model)
             signature = parse_signature(expected)
             await self._authorize(Action.UNLOAD)
             return await self._controller.enforcement.unload(model, signature)
@@ -295,6 +347,8 @@ class PlacementInterface(ServiceInterface):
     @dbus_method()
     async def Measure(self, model: DBusStr, config: DBusStr) -> DBusStr:
         async def run() -> Any:
+            check_text("model", model)
+            check_text("config", config)
             await self._authorize(Action.MEASURE)
             return await self._controller.enforcement.measure(model, config)
 
@@ -305,6 +359,8 @@ class PlacementInterface(ServiceInterface):
         """Takes the backend down and up to time it (the caller asked the operator)."""
 
         async def run() -> Any:
+            check_text("model", model)
+            check_text("config", config)
             await self._authorize(Action.MEASURE)
             return await self._controller.enforcement.measure(model, config, envelope=True)
 
@@ -323,6 +379,9 @@ class PlacementInterface(ServiceInterface):
     @dbus_method()
     async def Hold(self, model: DBusStr, reason: DBusStr, app_id: DBusStr) -> DBusUInt32:
         async def run() -> int:
+            check_text("model", model)
+            check_text("reason", reason, MAX_REASON_CHARS)
+            check_text("app_id", app_id, MAX_REASON_CHARS)
             await self._authorize(Action.HOLD)
             return await self._controller.hold(model, reason, app_id, _CALLER.get())
 
@@ -343,6 +402,7 @@ class PlacementInterface(ServiceInterface):
     @dbus_method()
     async def AcknowledgeAlerts(self, alert_ids: StringList) -> StringList:
         async def run() -> list[str]:
+            check_list("alert_ids", alert_ids, 1024)
             await self._authorize(Action.ACKNOWLEDGE)
             return self._controller.alerts.acknowledge(list(alert_ids))
 

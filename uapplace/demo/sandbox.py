@@ -14,6 +14,11 @@ in one :class:`contextlib.AsyncExitStack`.
 - a simulated 24 GiB GPU (``UAPPLACE_SIM_GPU``);
 - two fake llama.cpp-like engines as real units: ``coder-7b`` (14 GiB,
   resident) and ``writer-13b`` (16 GiB, measured, needs the card to itself);
+  or, with :func:`llamacpp_spec` (``uapplace demo --engine llama.cpp``), two real
+  ``llama-server`` units on the CPU tier (``cpu0``, host RAM) serving tiny GGUF models
+  of different sizes written at start (:mod:`uapplace.sim.gguf_models`), unmeasured
+  until ``uapplace measure`` records them, both on one port (one at a time, as behind
+  the stock UAP proxy), no GPU, nothing simulated;
 - a fake of the proxy's internal routes (in-flight list, refresh);
 - ``uapplaced`` and ``uapplace-shim`` as processes, with a registry and ledger
   in a temporary ``UAPPLACE_CONFIG_DIR`` / ``UAP_HOME``.
@@ -52,6 +57,7 @@ from uapplace.files.registry import local_measurements
 from uapplace.io import engines
 from uapplace.io.units import UnitError, UnitManager
 from uapplace.sim.gpu import SimGpu, sim_uuid
+from uapplace.sim.llamacpp import LLAMA_CACHE_ENV, server_argv
 from uapplace.sim.usermanager import ContainedUserManager, can_contain, terminate
 
 UNIT_PREFIX = "uapplace-demo"
@@ -63,13 +69,26 @@ STEP_GUARD_S = 60.0
 PROXY_TOKEN = "uapplace-demo-token"
 
 
+LLAMA_CTX = 512
+"""``-c`` of every real llama-server unit: the whole KV pool, split across the slots."""
+LLAMA_PARALLEL = 2
+"""``--parallel`` of every real llama-server unit: its slots, the model's ``rails``."""
+LLAMA_SSE_PING_S = 1
+"""``--sse-ping-interval``: a stream ends within a second of SIGTERM (llama-server waits
+for the next ping before it exits)."""
+
+
 @dataclass(frozen=True)
 class DemoModel:
     key: str
     config: str
     stem: str
     mib: int
+    """The fake engine's simulated GPU memory; 0 for a real engine (it is measured)."""
     display: str
+    tiny: str | None = None
+    """The tiny GGUF preset (:data:`uapplace.sim.gguf_models.SIZES`) a real llama-server
+    serves; ``None``: the fake engine."""
 
     @property
     def unit(self) -> str:
@@ -78,6 +97,10 @@ class DemoModel:
 
 CODER = DemoModel("coder-7b", "q4_k_m", "coder", 14000, "Coder 7B")
 WRITER = DemoModel("writer-13b", "q5_k_m", "writer", 16000, "Writer 13B")
+TINY_B = DemoModel("tiny-b", "f32", "tiny-b", 0, "Tiny B (llama.cpp, CPU)", tiny="tiny-b")
+"""The real-engine demo's first resident (~30 MiB of server RSS)."""
+TINY_C = DemoModel("tiny-c", "f32", "tiny-c", 0, "Tiny C (llama.cpp, CPU)", tiny="tiny-c")
+"""The real-engine demo's model that is not loaded (~70 MiB of server RSS)."""
 
 
 @dataclass(frozen=True)
@@ -102,10 +125,33 @@ class SandboxSpec:
     plain engines that can only be stopped."""
     wake_secs: float = 0.3
     """How long each fake engine takes to wake (``--wake-delay``)."""
+    llama_server: Path | None = None
+    """A real llama.cpp ``llama-server`` binary: every model's unit runs it on its tiny
+    GGUF (:attr:`DemoModel.tiny`) on the CPU tier, with no simulated GPU; ``None``: the
+    fake engine on the simulated GPU."""
 
     @property
     def token(self) -> str:
         return self.proxy_token if self.proxy_token is not None else PROXY_TOKEN
+
+
+def llamacpp_spec(
+    binary: Path, proxy_url: str | None = None, proxy_token: str | None = None
+) -> SandboxSpec:
+    """Two real llama-servers (:data:`TINY_B`, :data:`TINY_C`) on one port, nothing started:
+    both are unmeasured until ``uapplace measure`` records them (the walkthrough and
+    ``bench/bench_swap.py --engine llama.cpp`` do). One port, one engine at a time, so a
+    request for the other model is a swap: host RAM alone would let tiny models load
+    side by side."""
+    return SandboxSpec(
+        models=(TINY_B, TINY_C),
+        resident=None,
+        single_upstream=True,
+        pause_lever=None,
+        proxy_url=proxy_url,
+        proxy_token=proxy_token,
+        llama_server=binary,
+    )
 
 
 # --------------------------------------------------------------------------- processes
@@ -155,7 +201,8 @@ class Sandbox:
     bus_address: str
     unit_dir: Path
     contained: bool
-    sim: SimGpu
+    sim: SimGpu | None
+    """The simulated GPU; ``None`` with real engines (the CPU tier only)."""
     ports: dict[str, int]
     env: dict[str, str] = field(default_factory=dict)
     """What a client of this sandbox needs: bus, UAP_HOME, config dir, sim GPU, proxy URL."""
@@ -188,6 +235,33 @@ class Sandbox:
 
     def endpoint(self, model: DemoModel) -> str:
         return f"http://127.0.0.1:{self.ports[model.key]}"
+
+    @property
+    def models_dir(self) -> Path:
+        """Where the real engines' tiny GGUF files are written."""
+        return self.base / "models"
+
+    def model_file(self, model: DemoModel) -> Path:
+        return self.models_dir / f"{model.tiny or model.key}.gguf"
+
+    def unit_argv(self, model: DemoModel) -> list[str]:
+        """The ``ExecStart`` of ``model``'s unit."""
+        if self.spec.llama_server is not None:
+            return server_argv(
+                self.spec.llama_server,
+                self.model_file(model),
+                port=self.ports[model.key],
+                alias=model.key,
+                ctx_size=LLAMA_CTX,
+                parallel=LLAMA_PARALLEL,
+                sse_ping_s=LLAMA_SSE_PING_S,
+            )
+        argv = [sys.executable, "-m", "uapplace.sim.engine", "--port", str(self.ports[model.key])]
+        argv += ["--model-id", model.key, "--gpu-uuid", sim_uuid(0), "--mib", str(model.mib)]
+        argv += ["--load-secs", f"{self.spec.load_secs:g}", "--kv", "q8_0"]
+        if self.spec.pause_lever is not None:
+            argv += ["--sleep-mode", "--wake-delay", f"{self.spec.wake_secs:g}"]
+        return argv
 
     def client_env(self) -> dict[str, str]:
         """``os.environ`` plus :attr:`env`: for the CLI, ``busctl --user``, ``systemctl --user``."""
@@ -226,12 +300,17 @@ class Sandbox:
         ports = {m.key: shared if spec.single_upstream else free_port() for m in spec.models}
         ports["proxy"] = free_port()
         ports["shim"] = free_port()
-        sim = SimGpu(base / "sim-gpu.json")
-        sim.create([(DEVICE_NAME, DEVICE_MIB)])
+        sim: SimGpu | None = None
+        if spec.llama_server is None:
+            sim = SimGpu(base / "sim-gpu.json")
+            sim.create([(DEVICE_NAME, DEVICE_MIB)])
         box = cls(spec, base, bus, unit_dir, manager is not None, sim, ports, manager=manager)
         box.env = box._client_env_vars()
         await box._check_bus_free()
         box._write_config()
+        if spec.llama_server is not None:
+            progress("writing the tiny GGUF models")
+            await box._write_models()
         await box._install_units(stack, progress)
         await box._start_proxy(stack, progress)
         if spec.resident is not None:
@@ -250,7 +329,6 @@ class Sandbox:
             "DBUS_SESSION_BUS_ADDRESS": self.bus_address,
             "UAP_HOME": str(self.uap_home),
             "UAPPLACE_CONFIG_DIR": str(self.config_dir),
-            "UAPPLACE_SIM_GPU": str(self.sim.path),
             "UAP_PROXY_URL": self.proxy_url,
             "PROXY_AUTH_TOKEN": self.spec.token,
             "UAPPLACE_SHIM_PORT": str(self.ports["shim"]),
@@ -258,6 +336,8 @@ class Sandbox:
             # (docs/bus-api.md, "Authorization").
             "UAPPLACE_SYSTEM_BUS_ADDRESS": "",
         }
+        if self.sim is not None:
+            env["UAPPLACE_SIM_GPU"] = str(self.sim.path)
         if self.manager is not None:
             env.update(self.manager.env)
         else:
@@ -298,30 +378,40 @@ class Sandbox:
             json.dumps(capacity_policy_json(self.spec.models), indent=2), encoding="utf-8"
         )
 
+    async def _write_models(self) -> None:
+        """Every tiny GGUF preset into :attr:`models_dir`, by ``python -m
+        uapplace.sim.gguf_models`` in a child process: the ``gguf`` package it needs is an
+        optional extra (``engines``), so ``uapplace`` itself never imports it."""
+        argv = [sys.executable, "-m", "uapplace.sim.gguf_models", str(self.models_dir)]
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.client_env()
+        )
+        async with asyncio.timeout(STEP_GUARD_S):
+            output, _ = await proc.communicate()
+        if proc.returncode != 0:
+            text = output.decode(errors="replace")[-1500:]
+            hint = (
+                "\nthe tiny models need the gguf package: `make setup` installs it "
+                "(pip install -e '.[engines]')"
+                if "No module named 'gguf'" in text
+                else ""
+            )
+            raise DemoError(f"{shlex.join(argv)} exited with {proc.returncode}:\n{text}{hint}")
+        (self.base / "llama-cache").mkdir(exist_ok=True)
+
+    def _engine_environment(self) -> str:
+        """The ``Environment=`` of every engine unit."""
+        if self.sim is not None:
+            return f"UAPPLACE_SIM_GPU={self.sim.path}"
+        # An empty download cache: llama-server (a router above all) lists what it finds there.
+        return f"{LLAMA_CACHE_ENV}={self.base / 'llama-cache'}"
+
     def _unit_text(self, model: DemoModel) -> str:
-        argv = [
-            sys.executable,
-            "-m",
-            "uapplace.sim.engine",
-            "--port",
-            str(self.ports[model.key]),
-            "--model-id",
-            model.key,
-            "--gpu-uuid",
-            sim_uuid(0),
-            "--mib",
-            str(model.mib),
-            "--load-secs",
-            f"{self.spec.load_secs:g}",
-            "--kv",
-            "q8_0",
-        ]
-        if self.spec.pause_lever is not None:
-            argv += ["--sleep-mode", "--wake-delay", f"{self.spec.wake_secs:g}"]
+        what = "fake llama.cpp" if self.spec.llama_server is None else "llama.cpp llama-server, CPU"
         return (
-            f"[Unit]\nDescription=uapplace demo engine {model.key} (fake llama.cpp)\n\n"
-            f"[Service]\nType=exec\nExecStart={shlex.join(argv)}\n"
-            f"Environment=UAPPLACE_SIM_GPU={self.sim.path}\nTimeoutStopSec=10\n"
+            f"[Unit]\nDescription=uapplace demo engine {model.key} ({what})\n\n"
+            f"[Service]\nType=exec\nExecStart={shlex.join(self.unit_argv(model))}\n"
+            f"Environment={self._engine_environment()}\nTimeoutStopSec=10\n"
         )
 
     async def _install_units(self, stack: AsyncExitStack, progress: Callable[[str], None]) -> None:
@@ -335,17 +425,36 @@ class Sandbox:
         stack.callback(units.close)
         self.unit_manager = units
         for model in self.spec.models:
-            path = self.unit_dir / model.unit
-            if path.exists() and self.manager is None:
-                raise DemoError(f"{path} exists already: is another demo running?")
-            path.write_text(self._unit_text(model), encoding="utf-8")
-            stack.push_async_callback(self._remove_unit, model)
+            self._write_unit(stack, model.unit, self._unit_text(model))
         await units.reload()
 
-    async def _remove_unit(self, model: DemoModel) -> None:
+    def _write_unit(self, stack: AsyncExitStack, name: str, text: str) -> None:
+        path = self.unit_dir / name
+        if path.exists() and self.manager is None:
+            raise DemoError(f"{path} exists already: is another demo running?")
+        path.write_text(text, encoding="utf-8")
+        stack.push_async_callback(self._remove_unit, name)
+
+    async def add_unit(
+        self, stack: AsyncExitStack, stem: str, description: str, argv: Sequence[str]
+    ) -> str:
+        """One more unit, ``uapplace-demo-<stem>.service`` running ``argv`` with the
+        engines' environment, stopped and removed when ``stack`` closes; its name.
+        (``bench/bench_swap.py --engine llama.cpp --pause``: a llama-server router.)"""
+        name = f"{UNIT_PREFIX}-{stem}.service"
+        text = (
+            f"[Unit]\nDescription=uapplace demo {description}\n\n"
+            f"[Service]\nType=exec\nExecStart={shlex.join(argv)}\n"
+            f"Environment={self._engine_environment()}\nTimeoutStopSec=10\n"
+        )
+        self._write_unit(stack, name, text)
+        await self.units.reload()
+        return name
+
+    async def _remove_unit(self, name: str) -> None:
         with contextlib.suppress(UnitError):
-            await self.units.stop_unit(model.unit, 15)
-        (self.unit_dir / model.unit).unlink(missing_ok=True)
+            await self.units.stop_unit(name, 15)
+        (self.unit_dir / name).unlink(missing_ok=True)
         with contextlib.suppress(UnitError):
             await self.units.reload()
 
@@ -441,9 +550,17 @@ async def _http_ok(url: str) -> bool:
         return False
 
 
-def registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[str, Any]:
-    """The demo's registry: one simulated GPU, the host, and each model measured on gpu0."""
+def host_device_json() -> dict[str, Any]:
+    """``cpu0``: this host's RAM, with a 512 MiB reserve."""
     host_mib = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
+    return {"kind": "cpu", "total_mib": host_mib, "reserved_mib": 512}
+
+
+def registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[str, Any]:
+    """The demo's registry: one simulated GPU, the host, and each model measured on gpu0;
+    with real engines, :func:`llamacpp_registry_json`."""
+    if box.spec.llama_server is not None:
+        return llamacpp_registry_json(box, models)
     proxy = {"single_upstream": box.single_upstream} if box.single_upstream else None
     # Behind a single upstream one engine at a time owns the port: a paused one would
     # keep it, so the planner always stops there; no lever is declared.
@@ -459,7 +576,7 @@ def registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[str, Any]:
                 "reserved_mib": 0,
                 "uuid": sim_uuid(0),
             },
-            "cpu0": {"kind": "cpu", "total_mib": host_mib, "reserved_mib": 512},
+            "cpu0": host_device_json(),
         },
         "models": {
             m.key: {
@@ -493,8 +610,36 @@ def registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[str, Any]:
     }
 
 
+def llamacpp_registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[str, Any]:
+    """Real llama-servers on the CPU tier: only ``cpu0`` (host RAM), every config
+    unmeasured (``uapplace measure`` records ``measured_on: cpu0`` and the RSS of the
+    unit's processes), ``rails`` the units' ``--parallel``, one upstream for all."""
+    return {
+        "version": 1,
+        **({"proxy": {"single_upstream": box.single_upstream}} if box.single_upstream else {}),
+        "devices": {"cpu0": host_device_json()},
+        "models": {
+            m.key: {
+                "display": m.display,
+                "engine": "llama.cpp",
+                "unit": m.unit,
+                "endpoint": box.endpoint(m),
+                "rails": LLAMA_PARALLEL,
+                "service": m.key,
+                "task_affinity": ["general"],
+                "configs": {m.config: {"status": "unmeasured"}},
+            }
+            for m in models
+        },
+    }
+
+
 def capacity_policy_json(models: Sequence[DemoModel]) -> dict[str, Any]:
-    """One service per model: verify-up checks the engine's KV type and pool in ``/metrics``."""
+    """One service per model: verify-up checks the engine's KV type and pool in ``/metrics``
+    (the fake engine's); a real llama-server exports neither there, so its services
+    only name the unit."""
+    if any(m.tiny is not None for m in models):
+        return {"services": [{"name": m.key, "unit": m.unit} for m in models]}
     return {
         "services": [
             {

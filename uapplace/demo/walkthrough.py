@@ -15,7 +15,7 @@ import asyncio
 import shlex
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -45,6 +45,8 @@ from uapplace.sim.usermanager import ContainmentError
 CLIENT = "x-uap-client-id:claude-code"
 """The client identity the demo's requests carry (as the proxy would send it)."""
 EXIT_INTERRUPTED = 130
+NO_OPTIONS_S = 2.0
+"""A parked request still without options after this long: ask ``Preview`` why."""
 
 
 # --------------------------------------------------------------------------- the walkthrough
@@ -95,7 +97,8 @@ async def admit(box: Sandbox, bus: PlacementClient, model: str, client: str) -> 
     return await bus.admit(model, client, "", 0)
 
 
-def state_tables(state: Mapping[str, Any], sim: SimGpu) -> list[Table]:
+def state_tables(state: Mapping[str, Any], sim: SimGpu | None) -> list[Table]:
+    """The residents, and what the simulated GPU's probe reads (when there is one)."""
     residents = Table(title="residents", title_justify="left")
     for column in ("model", "config", "device", "state", "GPU MiB", "target"):
         residents.add_column(column)
@@ -109,6 +112,8 @@ def state_tables(state: Mapping[str, Any], sim: SimGpu) -> list[Table]:
             f"{r.get('gpu_mib') or 0:,.0f}",
             target,
         )
+    if sim is None:
+        return [residents]
     gpu = Table(title="simulated GPU (what the probe reads)", title_justify="left")
     for column in ("device", "total MiB", "free MiB", "held by"):
         gpu.add_column(column)
@@ -143,12 +148,15 @@ def options_table(entry: Mapping[str, Any]) -> Table:
             )
             or "nothing is stopped"
         )
+        # The CPU tier's cost is host RAM (docs/placement-rules.md §4.5).
+        on_host = option.get("device_kind") == "cpu"
+        cost = option.get("host_mib", 0) if on_host else option["cost_mib"]
         table.add_row(
             str(index),
             option["kind"],
             f"{option['model']}/{option['config']}",
             option["device"],
-            f"{option['cost_mib']:,.0f}",
+            f"{cost:,.0f}" + (" host" if on_host else ""),
             impact,
         )
     return table
@@ -224,7 +232,7 @@ async def walkthrough(box: Sandbox, console: Console) -> None:
             "What the operator sees (`uapplace pending`)",
             "Every option with its impact, computed before anyone says yes.",
         )
-        entry = await _pending_with_options(bus, placement_id)
+        entry = await pending_with_options(bus, placement_id)
         console.print(options_table(entry))
         index, option = form_option(entry, "stop")
         signature = list(option.get("signature", []))
@@ -235,7 +243,7 @@ async def walkthrough(box: Sandbox, console: Console) -> None:
         )
         printer = StepPrinter(say)
         bus.bus.add_message_handler(printer)
-        await _add_match(bus, f"type='signal',interface='{INTERFACE}',member='EnforcementStep'")
+        await add_match(bus, f"type='signal',interface='{INTERFACE}',member='EnforcementStep'")
         started = time.perf_counter()
         result = await bus.apply(placement_id, index, signature)
         stop_start_s = time.perf_counter() - started
@@ -280,7 +288,7 @@ async def timed_switch(
     parked = await bus.admit(model, CLIENT, "", 0)
     if parked.get("decision") != "park":
         raise DemoError(f"expected a park for {model}, got {parked}")
-    entry = await _pending_with_options(bus, str(parked["placement_id"]))
+    entry = await pending_with_options(bus, str(parked["placement_id"]))
     index, option = form_option(entry, form)
     started = time.perf_counter()
     result = await bus.apply(str(parked["placement_id"]), index, list(option["signature"]))
@@ -321,8 +329,13 @@ async def pause_walkthrough(
         say.console.print(table)
 
 
-async def _pending_with_options(bus: PlacementClient, placement_id: str) -> dict[str, Any]:
-    """The pending entry once the daemon has attached its options (planned after the park)."""
+async def pending_with_options(bus: PlacementClient, placement_id: str) -> dict[str, Any]:
+    """The pending entry once the daemon has attached its options (planned after the park).
+
+    Still none after :data:`NO_OPTIONS_S`: ``Preview`` of the same request says whether
+    there are any at all; none there is a :class:`DemoError` with its reasons."""
+    started = time.monotonic()
+    asked = False
     async with asyncio.timeout(STEP_GUARD_S):
         while True:
             listed = await bus.list_pending()
@@ -331,10 +344,21 @@ async def _pending_with_options(bus: PlacementClient, placement_id: str) -> dict
                 raise DemoError(f"{placement_id} vanished from the pending list")
             if entry.get("options"):
                 return dict(entry)
+            if not asked and time.monotonic() - started > NO_OPTIONS_S:
+                asked = True
+                await _some_option(bus, entry)
             await asyncio.sleep(0.05)
 
 
-async def _add_match(bus: PlacementClient, rule: str) -> None:
+async def _some_option(bus: PlacementClient, entry: Mapping[str, Any]) -> None:
+    model = str(entry.get("requested_model"))
+    plan: dict[str, Any] = await bus.preview(model, int(entry.get("cells") or 0))
+    if not plan.get("options"):
+        reasons = "; ".join(plan.get("infeasible") or []) or str(plan.get("reason"))
+        raise DemoError(f"no option to place {model} ({entry.get('id')}): {reasons}")
+
+
+async def add_match(bus: PlacementClient, rule: str) -> None:
     await bus.bus.call(bus_daemon_message("AddMatch", "s", [rule]))
 
 
@@ -365,13 +389,14 @@ def export_lines(box: Sandbox) -> list[str]:
 
 def keep_lines(box: Sandbox) -> list[str]:
     """Copy-paste lines for another shell (plain text: a panel would wrap them)."""
+    first = box.spec.models[0]
     lines = [
         *export_lines(box),
         "uapplace status",
         "uapplace pending",
-        f"uapplace preview {CODER.key}",
-        f"busctl --user call {BUS_NAME} {OBJECT_PATH} {INTERFACE} Admit sssu {CODER.key} me '' 0",
-        f"systemctl --user status {CODER.unit} {WRITER.unit}",
+        f"uapplace preview {first.key}",
+        f"busctl --user call {BUS_NAME} {OBJECT_PATH} {INTERFACE} Admit sssu {first.key} me '' 0",
+        f"systemctl --user status {' '.join(m.unit for m in box.spec.models)}",
     ]
     if box.spec.shim:
         lines.append(f"curl -s {box.shim_url}/api/placement/state")
@@ -401,15 +426,39 @@ def run(
         single_upstream=single_upstream, proxy_url=proxy_url, proxy_token=proxy_token
     )
     try:
-        return asyncio.run(_main(console, keep, spec=spec))
+        return asyncio.run(run_in_sandbox(console, keep, spec, walk=walkthrough, intro=fake_intro))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; cleaned up")
         return EXIT_INTERRUPTED
 
 
-async def _main(
-    console: Console, keep: bool, spec: SandboxSpec | None = None, **sandbox_options: Any
+def fake_intro(box: Sandbox) -> str:
+    """The opening panel of the default demo."""
+    where = "a contained systemd --user" if box.contained else "your user manager"
+    return (
+        f"uapplace demo: {where}, a simulated GPU, two fake engines, uapplaced"
+        + (" and uapplace-shim" if box.spec.shim else "")
+        + ".\nYou will see a request for a model that is not loaded get parked, "
+        "the operator approve one option, and uapplace swap the engines, checking "
+        "each step."
+    )
+
+
+Walk = Callable[[Sandbox, Console], Awaitable[None]]
+"""A walkthrough: what the operator sees, on a built sandbox."""
+
+
+async def run_in_sandbox(
+    console: Console,
+    keep: bool,
+    spec: SandboxSpec,
+    *,
+    walk: Walk,
+    intro: Callable[[Sandbox], str],
+    **sandbox_options: Any,
 ) -> int:
+    """Build the sandbox for ``spec``, show ``intro`` and run ``walk`` in it, then remove
+    everything (Ctrl-C included); with ``keep``, wait for Ctrl-C first. 0: it succeeded."""
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     assert main_task is not None
@@ -432,19 +481,11 @@ async def _main(
         async with AsyncExitStack() as stack:
             with console.status("building the sandbox") as status:
                 box = await Sandbox.create(
-                    stack,
-                    spec or SandboxSpec(),
-                    progress=lambda text: status.update(text),
-                    **sandbox_options,
+                    stack, spec, progress=lambda text: status.update(text), **sandbox_options
                 )
-            where = "a contained systemd --user" if box.contained else "your user manager"
             console.print(
                 Panel(
-                    f"uapplace demo: {where}, a simulated GPU, two fake engines, uapplaced"
-                    + (" and uapplace-shim" if box.spec.shim else "")
-                    + ".\nYou will see a request for a model that is not loaded get parked, "
-                    "the operator approve one option, and uapplace swap the engines, checking "
-                    "each step."
+                    intro(box)
                     + f"\nsandbox: {box.base}"
                     + f"\nproxy: {box.proxy_url} (token {box.spec.token})"
                     + (
@@ -455,7 +496,7 @@ async def _main(
                     expand=False,
                 )
             )
-            await walkthrough(box, console)
+            await walk(box, console)
             if keep:
                 console.print()
                 console.rule("[bold]the demo keeps running; in another shell:")
@@ -476,7 +517,7 @@ async def _main(
         aiohttp.ClientError,
         TimeoutError,
     ) as err:
-        console.print(f"[red]demo failed:[/] {err or type(err).__name__}")
+        console.print(f"[red]demo failed:[/] {str(err) or type(err).__name__}")
         return 1
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):

@@ -13,7 +13,9 @@ order of the steps. The parts live where they are explained:
 
 - :mod:`uapplace.enforce.revalidate`: **revalidate** (what the run does, or ``Drifted``);
 - :mod:`uapplace.enforce.steps`: **preflight** … **resolve** (the forward steps);
-- :mod:`uapplace.enforce.pause`: **pause** and **wake** (issue 12) and their undoing;
+- :mod:`uapplace.enforce.pause`: **pause** and **wake** (issue 12) and their undoing, and
+  a llama.cpp router model's unload and load (issue 19: its **start** is a load in the
+  running router, never a unit restart);
 - :mod:`uapplace.enforce.rollback`: the rollback, ``runningAfter``, ROLLBACK INCOMPLETE and
   the unattended-run alerts;
 - :mod:`uapplace.enforce.run`: the run's bookkeeping and result shapes (the step names:
@@ -23,7 +25,8 @@ order of the steps. The parts live where they are explained:
 
 The outside world comes in through seams (:mod:`uapplace.io.seams`): a
 :class:`~uapplace.io.seams.UnitControl` for systemd and an
-:class:`~uapplace.io.seams.EngineProbe` for the engines' HTTP routes, besides the
+:class:`~uapplace.io.seams.EngineProbe` for the engines' HTTP routes, a
+:class:`~uapplace.io.router.RouterProbe` for llama.cpp routers', besides the
 :class:`~uapplace.enforce.host.EnforcementHost` for the controller. Wiring
 (:mod:`uapplace.daemon.wiring`) passes the real ones; the unit tier passes fakes.
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -68,6 +72,7 @@ from uapplace.enforce.run import (
 from uapplace.files.journal import Journal
 from uapplace.files.timeouts import Timeouts
 from uapplace.io.counters import run_outcome
+from uapplace.io.router import HTTP_ROUTER, RouterProbe
 from uapplace.io.seams import HTTP_ENGINES, EngineProbe, UnitControl
 from uapplace.publish.unitsync import EnforcementMarks
 
@@ -88,6 +93,7 @@ class Enforcer:
         clock: Callable[[], float] = time.time,
         journal: Journal | None = None,
         engines: EngineProbe = HTTP_ENGINES,
+        routers: RouterProbe = HTTP_ROUTER,
     ) -> None:
         self.host = host
         self.units = units
@@ -102,10 +108,11 @@ class Enforcer:
             engines=engines,
             timeouts=self.timeouts,
             marks=self.marks,
-            follower=UnitFollower(units, self.timeouts, engines),
+            follower=UnitFollower(units, self.timeouts, engines, routers),
             journal=journal,
             refresher=refresher,
             clock=clock,
+            routers=routers,
         )
         self._lock = asyncio.Lock()
         self._running: str | None = None
@@ -120,6 +127,12 @@ class Enforcer:
     async def wait_idle(self) -> None:
         async with self._lock:
             return
+
+    def use_timeouts(self, timeouts: Timeouts) -> None:
+        """SIGHUP's re-read ``enforcement-timeouts.json``: the next run waits by it."""
+        self.timeouts = timeouts
+        self.ctx.follower.timeouts = timeouts
+        self.ctx = dataclasses.replace(self.ctx, timeouts=timeouts)
 
     @contextlib.asynccontextmanager
     async def exclusive(self, what: str) -> AsyncIterator[None]:
@@ -269,6 +282,8 @@ class Enforcer:
             await enforce_steps.verify_free(ctx, run, target)
             if target.wake is not None:
                 await enforce_pause.wake(ctx, run, target, target.wake)
+            elif target.router is not None:
+                await enforce_pause.load(ctx, run, target, target.router)
             elif target.new_unit is not None:
                 await enforce_steps.start(ctx, run, target)
                 await enforce_steps.verify_up(ctx, run, target)

@@ -106,10 +106,13 @@ def _unit_problems(facts: PreflightFacts) -> list[str]:
         for path, problem in facts.binaries.items()
         if problem
     ]
-    if state.active_state not in DOWN_STATES and unit not in units_of(facts.victims):
+    running = state.active_state not in DOWN_STATES
+    if running and unit not in units_of(facts.victims) and not facts.config.is_router_model:
         # Not a published resident (the planner would have offered reuse), not a victim
         # that stops first: an engine nobody verified. Starting it is a no-op, and the
-        # rollback would stop what ran before this run: refuse instead.
+        # rollback would stop what ran before this run: refuse instead. (A llama.cpp
+        # router's unit runs for its other models: a router model is loaded in it, and
+        # its rollback unloads it, never stops the unit: docs/placement-rules.md §4.2.)
         pid = f", MainPID {state.main_pid}" if state.main_pid else ""
         problems.append(
             f"unit {unit}: already {state_text(state)}{pid} but not a verified resident; "

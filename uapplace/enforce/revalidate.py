@@ -6,7 +6,10 @@ approved option is gone or its victim signature differs from what the operator
 approved ("victim set changed"). Nothing has been touched yet. Otherwise it
 returns the run's :class:`~uapplace.enforce.run.Target`: the model and config
 that start (or the paused resident that wakes), the victims, which of them
-pause rather than stop, and the pending entry the run resolves.
+pause rather than stop, which are llama.cpp router models (unloaded in their router
+whatever the action, their unit never stopped), where a router model that starts is
+loaded, and the pending entry the run resolves (docs/placement-rules.md §4.2, "What
+paused is").
 
 A refusal is recorded as a failed ``revalidate`` step and raised (``Drifted``,
 ``UnknownModel``, ``NotFound``, ``Busy`` or ``Failed``), so the bus call fails
@@ -25,12 +28,15 @@ from uapplace.core.model import (
     Option,
     OptionKind,
     PendingEntry,
+    Registry,
     Resident,
+    ResidentKey,
     ResidentState,
     resident_key,
 )
 from uapplace.core.steps import REVALIDATE
 from uapplace.core.unitnames import unit_file_name, valid_unit_name
+from uapplace.core.victims import config_of
 from uapplace.enforce.host import EnforcementHost
 from uapplace.enforce.run import (
     Run,
@@ -39,6 +45,7 @@ from uapplace.enforce.run import (
     same_placement,
     signature_drift,
 )
+from uapplace.io.router import is_router_config, router_slot
 
 
 async def option_target(
@@ -139,6 +146,7 @@ async def unload_target(
         cost_mib=0.0,
         victims=victims,
         new_unit=None,
+        routed=_routed(registry, victims),
     )
 
 
@@ -207,6 +215,15 @@ def _option_target(
     _check_victim_units(run, victims)
     pause = frozenset(resident_key(r) for r in victims if wanted[r.signature] == "pause")
     wake = _paused_twin(host, run, option) if option.kind is OptionKind.WAKE else None
+    slot = router_slot(model, config)
+    if config.is_router_model and slot is None:
+        raise _refuse(
+            run,
+            Failed(
+                f"{model.key}/{config.key} is a llama.cpp router model (pause_lever "
+                "llamacpp-router) without a unit and an endpoint for its router"
+            ),
+        )
     run.record(REVALIDATE, True, f"{option_text(option)}: still valid")
     return Target(
         kind=kind,
@@ -220,7 +237,14 @@ def _option_target(
         entry=entry,
         pause=pause,
         wake=wake,
+        router=slot if wake is None else None,
+        routed=_routed(registry, victims),
     )
+
+
+def _routed(registry: Registry, victims: Iterable[Resident]) -> frozenset[ResidentKey]:
+    """The victims that are llama.cpp router models (their router unloads them)."""
+    return frozenset(resident_key(v) for v in victims if is_router_config(config_of(registry, v)))
 
 
 def _paused_twin(host: EnforcementHost, run: Run, option: Option) -> Resident:

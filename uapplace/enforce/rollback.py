@@ -1,10 +1,12 @@
 """Rollback of a failed run, what runs at its end, and the alerts nobody may miss.
 
 Rollback (any failure after preflight, :func:`failed_result`): stop what this run
-started, then restart every victim this run stopped, each with its own verify-up
-(health and served id, bounded like verify-up from the victim's own start facts),
-and clear the marks. Two same-device residents must never run together, so the
-victims are restarted only once the new unit is seen not running: a failed stop
+started (a stop systemd had to force is recorded not ok, with a ``forced_stop`` alert,
+as in the forward ``stop`` step), then restart every victim this run stopped, each
+with its own verify-up (health and served id, bounded like verify-up from the
+victim's own start facts), and clear the marks. Two same-device residents must
+never run together, so the victims are restarted only once the new unit is seen
+not running: a failed stop
 job alone does not block them (a unit that does not exist, or is
 ``inactive``/``failed`` whatever its stop job said, is safe), only a new unit
 observed still up (or whose state cannot be read) does. The result says
@@ -44,7 +46,7 @@ from uapplace.core.steps import (
     ROLLBACK_WAKE,
 )
 from uapplace.enforce.journaling import journal_step
-from uapplace.enforce.pause import resleep, rewake_victims
+from uapplace.enforce.pause import resleep, rewake_victims, unload_loaded
 from uapplace.enforce.run import (
     FAILED_OUTCOME,
     ROLLBACK_INCOMPLETE,
@@ -58,8 +60,9 @@ from uapplace.enforce.run import (
     Target,
     paused_resident,
 )
+from uapplace.enforce.steps import forced_stop
 from uapplace.files.timeouts import UpBound
-from uapplace.io.units import DOWN_STATES, outcome_text, state_text, unit_of
+from uapplace.io.units import DOWN_STATES, outcome_text, state_text, stop_wait_s, unit_of
 from uapplace.publish import verify
 
 # --------------------------------------------------------------------------- the rollback
@@ -95,9 +98,12 @@ async def rollback(
     """Undo what ``run`` did: what could not be restored, and what runs at the end."""
     restore = Restore()
     safe = True
-    if run.started_unit is not None:
+    if run.started_unit is not None:  # a router this run started: its models go with it
         await journal_step(ctx, run, target, ROLLBACK_STOP)
         safe = await _stop_started(ctx, run, target, restore)
+    elif run.loaded is not None:  # a model this run loaded in a running router
+        await journal_step(ctx, run, target, ROLLBACK_STOP)
+        safe = await unload_loaded(ctx, run, target, restore)
     if run.woke and target.wake is not None:
         await journal_step(ctx, run, target, ROLLBACK_SLEEP)
         safe = await resleep(ctx, run, target.wake, restore) and safe
@@ -126,16 +132,18 @@ async def _stop_started(ctx: RunContext, run: Run, target: Target, restore: Rest
     """
     unit = run.started_unit
     assert unit is not None
-    outcome = await ctx.units.stop_unit(unit, ctx.timeouts.stop_s)
+    wait_s = stop_wait_s(await ctx.follower.fresh(unit), ctx.timeouts.stop_s)
+    outcome = await ctx.units.stop_unit(unit, wait_s)
     state = await ctx.follower.fresh(unit)
     job = outcome_text(outcome)
     if state is not None and state.active_state in DOWN_STATES:
         seen = "does not exist" if state.load_state == "not-found" else f"is {state_text(state)}"
-        run.record(
-            ROLLBACK_STOP,
-            True,
-            f"{unit}, which this run started, {seen} (stop job {job}): nothing of it runs",
-        )
+        down = f"{unit}, which this run started, {seen} (stop job {job}): nothing of it runs"
+        how = await forced_stop(ctx, run, target, unit) if outcome.ok else None
+        if how is None:
+            run.record(ROLLBACK_STOP, True, down)
+        else:  # never "ok" for a forced stop; not fatal: it is down, the victims come back
+            run.record(ROLLBACK_STOP, False, f"{down}; it was {how} (not fatal)")
         if target.new_key is not None:
             stale = next(
                 (r for r in ctx.host.residents() if resident_key(r) == target.new_key), None
@@ -252,7 +260,8 @@ async def running_after(ctx: RunContext, target: Target) -> tuple[RunningAfter, 
     for resident in [*ctx.host.residents(), *target.victims]:
         if resident.device in devices:
             seen.setdefault((resident.model, resident.config, resident.device), unit_of(resident))
-    if target.config is not None and target.new_unit is not None:
+    if target.config is not None and target.new_unit is not None and target.router is None:
+        # (A router model's unit runs for its siblings too: its state says nothing of it.)
         seen.setdefault((target.model.key, target.config.key, target.device), target.new_unit)
     out: list[RunningAfter] = []
     for (model, config, device), unit in seen.items():

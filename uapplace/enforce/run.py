@@ -47,6 +47,7 @@ from uapplace.core.victims import config_of, pause_figures
 from uapplace.enforce.host import EnforcementHost, ProxyRefresher
 from uapplace.files.journal import Journal
 from uapplace.files.timeouts import Timeouts, UpBound
+from uapplace.io.router import HTTP_ROUTER, RouterProbe, RouterSlot
 from uapplace.io.seams import EngineProbe, UnitControl
 from uapplace.io.units import UnitError, UnitState, state_text
 from uapplace.publish import verify
@@ -161,6 +162,9 @@ class Run:
     woke: bool = False
     """Whether this run asked the paused resident it wakes to wake (the rollback puts it
     back to sleep first)."""
+    loaded: RouterSlot | None = None
+    """The router model this run asked its router to load (the rollback unloads it
+    first; docs/placement-rules.md §4.2, "What paused is")."""
     started_at: float = field(default_factory=time.time)
     verify_up_bound: UpBound | None = None
     """The verify-up wait this run used for its new unit, and why that long."""
@@ -197,10 +201,34 @@ class Target:
     """The victims this run pauses (engine sleep) rather than stops (issue 12)."""
     wake: Resident | None = None
     """The paused resident this run wakes instead of starting a unit (a ``wake`` option)."""
+    router: RouterSlot | None = None
+    """Set when what starts (or wakes) is one model of a llama.cpp router: it is loaded
+    in the router (``POST /models/load``), the router's unit started first only when it
+    is not running, never restarted."""
+    routed: frozenset[ResidentKey] = frozenset()
+    """The victims that are router models: paused or stopped alike, their router unloads
+    them in the ``pause`` step; their unit (the router, hosting its other models) is
+    never stopped. A stopped one then leaves the ledger like any stopped victim."""
 
     @property
     def stopping(self) -> tuple[Resident, ...]:
+        """The victims that leave the ledger: unit stops and router unloads."""
         return tuple(v for v in self.victims if resident_key(v) not in self.pause)
+
+    @property
+    def unit_stopping(self) -> tuple[Resident, ...]:
+        """The victims whose unit the ``stop`` step stops (never a router's)."""
+        return tuple(v for v in self.stopping if resident_key(v) not in self.routed)
+
+    @property
+    def unloading(self) -> tuple[Resident, ...]:
+        """The victims their router unloads (the ``pause`` step), whatever the action."""
+        return tuple(v for v in self.victims if resident_key(v) in self.routed)
+
+    @property
+    def sleeping(self) -> tuple[Resident, ...]:
+        """The paused victims put to sleep by their engine (vLLM's lever)."""
+        return tuple(v for v in self.pausing if resident_key(v) not in self.routed)
 
     @property
     def pausing(self) -> tuple[Resident, ...]:
@@ -254,10 +282,17 @@ class UnitFollower:
     """The units as a run sees them: the last state the manager signalled for each, an
     event per unit a wait follows, and fresh reads that refresh both."""
 
-    def __init__(self, units: UnitControl, timeouts: Timeouts, engines: EngineProbe) -> None:
+    def __init__(
+        self,
+        units: UnitControl,
+        timeouts: Timeouts,
+        engines: EngineProbe,
+        routers: RouterProbe = HTTP_ROUTER,
+    ) -> None:
         self.units = units
         self.timeouts = timeouts
         self.engines = engines
+        self.routers = routers
         self._states: dict[str, UnitState] = {}
         self._events: dict[str, asyncio.Event] = {}
         units.on_change(self._on_change)
@@ -311,6 +346,7 @@ class UnitFollower:
             max_poll_s=self.timeouts.health_max_poll_s,
             http_s=self.timeouts.http_s,
             probe=self.engines,
+            routers=self.routers,
         )
 
 
@@ -328,6 +364,8 @@ class RunContext:
     """Where each unit-changing step is recorded first (crash recovery); ``None``: nowhere."""
     refresher: ProxyRefresher | None
     clock: Callable[[], float]
+    routers: RouterProbe = HTTP_ROUTER
+    """llama.cpp routers' routes (the real HTTP one; the unit tier passes a fake)."""
 
     def victim_config(self, victim: Resident) -> tuple[str, Config | None]:
         """``(model/config, its registry config)`` for the envelope-derived bounds."""
@@ -369,8 +407,13 @@ class RunContext:
 def paused_resident(registry: Registry, victim: Resident) -> Resident:
     """``victim`` as the ledger holds it once paused: state ``paused``, the GPU MiB the
     sleeping engine keeps, host RSS grown by what a level-1 sleep offloads
-    (:func:`uapplace.core.victims.pause_figures`). The start-up repair uses it too."""
+    (:func:`uapplace.core.victims.pause_figures`); a router model, unloaded, holds
+    nothing (its child process is gone). The start-up repair uses it too."""
     config = config_of(registry, victim)
+    if config is not None and config.is_router_model:
+        return replace(
+            victim, state=ResidentState.PAUSED, gpu_mib=0.0, host_rss_mib=0.0, holders=()
+        )
     level = config.sleep_level if config is not None else None
     freed, grows = pause_figures(config, victim, level or 2)
     host = victim.host_rss_mib + grows if victim.host_rss_mib is not None else None

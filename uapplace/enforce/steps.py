@@ -20,14 +20,28 @@ wake steps are :mod:`uapplace.enforce.pause`, the undoing ones :mod:`uapplace.en
   truth, so a concurrent unit sync keeps them mid-drain; the resident's published
   ``draining`` is derived from them (``marks.overlay``). They are cleared when the
   run ends, whatever the outcome.
-- **drain** waits (polling) until no victim has in-flight work at the proxy or
-  a bus hold. The proxy not answering is unknown, which counts as busy. At the
-  drain timeout the run rolls back rather than cut anyone off.
+- **drain** waits (polling) until no victim has in-flight work at the proxy, a
+  bus hold, or work its engine reports (:mod:`uapplace.io.busy`: ``/props``
+  ``is_sleeping``, then ``/slots`` ``is_processing``, then the ``/metrics``
+  request gauges; a request sent straight to the engine is not in the proxy's
+  list). The proxy not answering, or an engine not answering, is unknown, which
+  counts as busy; an engine that answers without any busy signal does not block
+  and is named so. The detail says what each source said. At the drain timeout
+  the run rolls back rather than cut anyone off.
 - **stop** awaits each victim unit's stop job; anything but ``done`` rolls back.
+  A ``done`` stop that systemd had to force (``Result=timeout``, the main process
+  ``SIGKILL``ed: :func:`~uapplace.io.units.forced_stop_text`) is recorded not ok,
+  with a ``forced_stop`` warning alert, and the run goes on: the victim is down,
+  and restarting it would not give back the work that was cut
+  (docs/placement-rules.md §4.6, "Forced stops").
 - **verify-free** waits until the device's free memory (the probe, not the
   ledger) covers the new config's cost and no victim PID holds memory there.
   On failure it names every compute process on the device that is not a
   staying resident: the orphan case of docs/placement-rules.md §4.6 step 4.
+  On the host (a ``cpu`` device) free memory moves with everything else on the
+  machine, so it proves nothing: there verify-free waits until every stopped
+  victim unit has no process left (its cgroup is empty) and the host reading is
+  sane (docs/placement-rules.md §4.6, "Verify-free on the host").
 - **start** and **verify-up**: the start job, then the unit active, ``/health``
   200 (polled from 50 ms with backoff; a unit that turns ``failed`` or
   ``inactive`` ends the wait at once), ``/v1/models`` serving the requested id
@@ -43,10 +57,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+from uapplace.core.alerts import AlertKind, Severity
 from uapplace.core.model import (
     Config,
+    DeviceKind,
     DeviceReading,
     ProbeSource,
     Resident,
@@ -69,6 +85,7 @@ from uapplace.core.steps import (
 from uapplace.core.topology import verify_endpoint
 from uapplace.core.unitnames import unit_file_name
 from uapplace.enforce.journaling import journal_step
+from uapplace.enforce.pause import unload_stopped, victim_slot
 from uapplace.enforce.preflight import (
     PreflightFacts,
     executable_problems,
@@ -82,8 +99,18 @@ from uapplace.enforce.run import (
     Target,
     paused_resident,
 )
+from uapplace.io import busy
 from uapplace.io.engines import ProxyTokenRejected
-from uapplace.io.units import UnitError, UnitState, outcome_text, units_of
+from uapplace.io.router import model_query
+from uapplace.io.units import (
+    UnitError,
+    UnitState,
+    forced_stop_text,
+    outcome_text,
+    stop_wait_s,
+    unit_of,
+    units_of,
+)
 from uapplace.publish import verify
 
 # --------------------------------------------------------------------------- preflight
@@ -179,33 +206,51 @@ async def drain(ctx: RunContext, run: Run, target: Target) -> None:
     deadline = started + bound.seconds
     while True:
         try:
-            busy = await _busy(ctx, target.victims)
+            look = await _look(ctx, target)
         except ProxyTokenRejected as err:
             # Waiting cannot fix a wrong token: fail now, before anything stops.
             raise run.fail(DRAIN, f"{err}; nothing was stopped") from None
-        if not busy:
+        if not look.busy:
             waited = time.monotonic() - started
             run.record(
-                DRAIN, True, f"no in-flight work or holds (waited {waited:.2f}s; {bound.text()})"
+                DRAIN,
+                True,
+                f"no in-flight work or holds (waited {waited:.2f}s; {bound.text()}); "
+                f"asked: {'; '.join(look.asked)}",
             )
             return
         if time.monotonic() >= deadline:
             raise run.fail(
                 DRAIN,
-                f"still busy after {bound.seconds:g}s: {'; '.join(busy)} "
+                f"still busy after {bound.seconds:g}s: {'; '.join(look.busy)} "
                 f"(nothing was cut off; {bound.text()})",
             )
         await asyncio.sleep(min(ctx.timeouts.drain_poll_s, max(0.0, deadline - time.monotonic())))
 
 
-async def _busy(ctx: RunContext, victims: Sequence[Resident]) -> list[str]:
-    """Why each victim is still busy; empty when all are idle."""
+@dataclass(frozen=True)
+class DrainLook:
+    """One look at the victims: why each is still busy (empty: all idle), and what each
+    source said (the proxy's list, each victim's engine)."""
+
+    busy: list[str]
+    asked: list[str]
+
+
+async def _look(ctx: RunContext, target: Target) -> DrainLook:
+    """The proxy's list and bus holds (as before issue 19), then each victim's engine."""
+    victims = target.victims
     inflight = await ctx.host.inflight()
+    works = await asyncio.gather(*(_engine_work(ctx, target, v) for v in victims))
     reasons: list[str] = []
+    asked: list[str] = []
     if inflight is None:
         reasons.append("the proxy's in-flight list is unavailable (unknown counts as busy)")
-    for victim in victims:
+        asked.append("proxy list unavailable")
+    for victim, work in zip(victims, works, strict=True):
         requests = list(inflight.get(victim.target_id, ())) if inflight is not None else []
+        if inflight is not None:
+            asked.append(f"proxy list: {len(requests)} in flight for {victim.target_id}")
         if requests:
             clients = ", ".join(sorted({h.client for h in requests}))
             reasons.append(f"{victim.target_id}: {len(requests)} in flight ({clients})")
@@ -213,32 +258,114 @@ async def _busy(ctx: RunContext, victims: Sequence[Resident]) -> list[str]:
         if holds:
             who = ", ".join(h.client for h in holds)
             reasons.append(f"{victim.signature}: held on the bus by {who}")
-    return reasons
+        if work is None:
+            asked.append(f"{victim.signature} engine: no endpoint to ask")
+            continue
+        asked.append(f"{victim.signature} engine: {_work_text(work)}")
+        if work.blocks_drain:
+            reasons.append(f"{victim.signature}: its engine says {_work_text(work)}")
+    return DrainLook(reasons, asked)
+
+
+async def _engine_work(ctx: RunContext, target: Target, victim: Resident) -> busy.EngineWork | None:
+    """What the victim's engine says of its own work; ``None`` when it has no endpoint.
+
+    A llama.cpp router model is asked through its router, per model and never loading it
+    (``?model=ID&autoload=false``: the router's own routes know no model's work)."""
+    endpoint = victim.endpoint
+    if endpoint is None:
+        return None
+    slot = victim_slot(ctx, victim) if resident_key(victim) in target.routed else None
+    query = f"?{model_query(slot.model_id)}" if slot is not None else ""
+
+    async def fetch(route: str) -> tuple[int | None, str]:
+        return await ctx.engines.get_reply(endpoint, f"{route}{query}", ctx.timeouts.http_s)
+
+    return await busy.ask(fetch)
+
+
+def _work_text(work: busy.EngineWork) -> str:
+    if work.verdict is busy.Verdict.UNREACHABLE:
+        return f"{work.text()}: unknown counts as busy"
+    if work.verdict is busy.Verdict.NO_SIGNAL:
+        return f"{work.text()}: it cannot tell; the proxy's list and bus holds decide"
+    return work.text()
 
 
 # --------------------------------------------------------------------------- stop / verify-free
 
 
 async def stop(ctx: RunContext, run: Run, target: Target) -> None:
-    units = units_of(target.stopping)
+    # A stopped llama.cpp router model is unloaded in its router, whose unit (hosting
+    # its other models) is never stopped for it (docs/placement-rules.md §4.2).
+    unloaded = await unload_stopped(ctx, run, target)
+    units = units_of(target.unit_stopping)
     if not units:
-        run.record(STOP, True, "paused instead" if target.pausing else "no victims")
-        if target.pausing:  # the sleeps are done: recovery must know the victims sleep
+        idle = "paused instead" if target.pausing else "no victims"
+        run.record(STOP, True, unloaded or idle)
+        if target.pausing or unloaded:  # recovery must know the victims sleep (or are out)
             await journal_step(ctx, run, target, VERIFY_FREE)
         return
-    run.victim_pids = frozenset(await ctx.follower.pids_of(units))
+    run.victim_pids = run.victim_pids | frozenset(await ctx.follower.pids_of(units))
     await journal_step(ctx, run, target, STOP, units)
+    forced: list[str] = []
     for unit in units:
         run.stopped_units.append(unit)
-        outcome = await ctx.units.stop_unit(unit, ctx.timeouts.stop_s)
+        wait_s = stop_wait_s(await ctx.follower.fresh(unit), ctx.timeouts.stop_s)
+        outcome = await ctx.units.stop_unit(unit, wait_s)
         if not outcome.ok:
             state = await ctx.follower.state_text(unit)
             raise run.fail(STOP, f"{unit}: stop job {outcome_text(outcome)}; unit {state}")
-    run.record(STOP, True, f"stopped {', '.join(units)}")
+        how = await forced_stop(ctx, run, target, unit)
+        if how is not None:
+            forced.append(f"{unit} {how}")
+    stopped = f"stopped {', '.join(units)}" + (f"; {unloaded}" if unloaded else "")
+    if forced:
+        # Not fatal: the victim is down, and restarting it would not give the cut work back.
+        run.record(
+            STOP,
+            False,
+            f"{stopped}; {'; '.join(forced)} (not fatal: the victims are down, the switch "
+            "goes on; a forced_stop alert says so)",
+        )
+    else:
+        run.record(STOP, True, stopped)
     await journal_step(ctx, run, target, VERIFY_FREE)
 
 
+async def forced_stop(ctx: RunContext, run: Run, target: Target, unit: str) -> str | None:
+    """How ``unit``'s ``done`` stop was forced (read from systemd now), or ``None`` for a
+    clean one; a forced one raises a ``forced_stop`` warning alert (the rollback's stop of
+    the new unit calls it too)."""
+    state = await ctx.follower.fresh(unit)
+    how = forced_stop_text(state) if state is not None else None
+    if how is None:
+        return None
+    victim = next((v for v in target.victims if unit_of(v) == unit), None)
+    what = f"{unit} ({victim.signature})" if victim is not None else unit
+    ctx.raise_safely(
+        AlertKind.FORCED_STOP,
+        Severity.WARNING,
+        unit,
+        f"{what} {how}, during {run.what} ({run.run_id}). It ignored SIGTERM until "
+        "TimeoutStopSec= passed (llama-server does while it generates).",
+        {
+            "runId": run.run_id,
+            "run": run.what,
+            "unit": unit,
+            "result": state.result if state is not None else "",
+            "execMainCode": state.exec_main_code if state is not None else 0,
+            "execMainStatus": state.exec_main_status if state is not None else 0,
+        },
+    )
+    return how
+
+
 async def verify_free(ctx: RunContext, run: Run, target: Target) -> None:
+    device = ctx.host.registry().devices.get(target.device)
+    if device is not None and device.kind is DeviceKind.CPU:
+        await _verify_host_free(ctx, run, target)
+        return
     need = _free_need(target)
     bound = ctx.timeouts.verify_free_bound([ctx.victim_config(v) for v in target.victims])
     deadline = time.monotonic() + bound.seconds
@@ -261,6 +388,77 @@ async def verify_free(ctx: RunContext, run: Run, target: Target) -> None:
                 VERIFY_FREE, f"after {bound.seconds:g}s: {problem}; {orphans} ({bound.text()})"
             )
         await asyncio.sleep(ctx.timeouts.verify_free_poll_s)
+
+
+async def _verify_host_free(ctx: RunContext, run: Run, target: Target) -> None:
+    """verify-free on the host: no process left in any stopped victim unit, a sane reading.
+
+    Free host memory is not the test: it swings with everything else on a shared machine
+    (and mmap'ed weights sit in the page cache), so "enough free" would pass or fail for
+    reasons that are not the victim's. Preflight's host-RAM gate already judged the fit.
+    """
+    units = list(dict.fromkeys(run.stopped_units))
+    bound = ctx.timeouts.verify_free_bound([ctx.victim_config(v) for v in target.victims])
+    deadline = time.monotonic() + bound.seconds
+    while True:
+        reading = (await ctx.host.read_devices()).get(target.device)
+        problem = _host_reading_problem(reading, target.device)
+        if problem is None:
+            problem = await _leftover_processes(ctx, units)
+        if problem is None:
+            assert reading is not None
+            run.record(VERIFY_FREE, True, _host_freed_text(target, units, reading, bound.text()))
+            return
+        if time.monotonic() >= deadline:
+            raise run.fail(VERIFY_FREE, f"after {bound.seconds:g}s: {problem} ({bound.text()})")
+        await asyncio.sleep(ctx.timeouts.verify_free_poll_s)
+
+
+def _host_reading_problem(reading: DeviceReading | None, device: str) -> str | None:
+    """Why the host reading cannot be trusted, or ``None`` for a sane one."""
+    if reading is None:
+        return f"{device} is not in the probe's readings"
+    if reading.source is ProbeSource.ABSENT:
+        return f"{device} cannot be read: {reading.error or 'absent'}"
+    total, free = reading.total_mib, reading.free_mib
+    if not (total > 0 and 0 <= free <= total):  # NaN fails too
+        return f"{device} reading is not sane: {free:,.0f} MiB free of {total:,.0f} MiB"
+    return None
+
+
+async def _leftover_processes(ctx: RunContext, units: Sequence[str]) -> str | None:
+    """The stopped victim units that still have processes (or cannot be listed)."""
+    problems: list[str] = []
+    for unit in units:
+        try:
+            pids = await ctx.units.pids(unit)
+        except UnitError as err:
+            problems.append(f"the processes of {unit} cannot be listed: {err}")
+            continue
+        if pids:
+            listed = ", ".join(str(pid) for pid in sorted(pids))
+            problems.append(f"{unit} still has processes (its cgroup is not empty): pid {listed}")
+    return "; ".join(problems) or None
+
+
+def _host_freed_text(
+    target: Target, units: Sequence[str], reading: DeviceReading, bound: str
+) -> str:
+    seen = (
+        f"{target.device} reads {reading.free_mib:,.0f} MiB free of {reading.total_mib:,.0f} "
+        "(not relied on: host memory moves with the rest of the machine)"
+    )
+    if not target.stopping:
+        paused = ", ".join(v.signature for v in target.pausing) or "none"
+        return f"host: no victim stopped here (paused: {paused}); {seen}; {bound}"
+    # A router model's child was seen gone by its unload (the stop step); a unit, here.
+    routed = [v.signature for v in target.stopping if v not in target.unit_stopping]
+    gone = [f"{unit} empty" for unit in units] + [f"{r}'s router child ended" for r in routed]
+    footprint = sum(v.host_rss_mib or 0.0 for v in target.stopping)
+    return (
+        f"host: victim processes gone ({footprint:,.0f} MiB measured footprint released; "
+        f"{', '.join(gone)}); {seen}; {bound}"
+    )
 
 
 def _free_need(target: Target) -> float:

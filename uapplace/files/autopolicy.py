@@ -36,20 +36,25 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from pydantic import StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError
+from pydantic import Field, StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError
 
 from uapplace.core.errors import Failed, InvalidArgument
 from uapplace.core.model import Registry
 from uapplace.core.validation import first_error
 from uapplace.files import jsonfile
-from uapplace.files.jsonfile import ConfigFileError, atomic_write
+from uapplace.files.jsonfile import ConfigFileError, UntrustedFile, atomic_write
+from uapplace.files.registry_schema import MAX_KEY_CHARS
 
 log = logging.getLogger(__name__)
 
 MIN_IDLE_WINDOW_S = 60
 """Under a minute the idle sweep would oscillate (docs/placement-rules.md §4.4.2)."""
+MAX_IDLE_WINDOW_S = 30 * 86_400
+"""30 days: a longer idle window is no window (docs/placement-rules.md §4.7)."""
+MAX_NAMES = 1024
+"""Model keys one allowlist may name."""
 
 KNOBS = ("enabled", "allow_displace", "unload_idle_after_secs", "unload_allow")
 CHANGE_KEYS = frozenset(
@@ -65,7 +70,11 @@ CHANGE_KEYS = frozenset(
 )
 
 _BOOL: TypeAdapter[bool] = TypeAdapter(StrictBool)
-_NAMES: TypeAdapter[list[str]] = TypeAdapter(list[StrictStr])
+_NAMES: TypeAdapter[list[str]] = TypeAdapter(
+    Annotated[
+        list[Annotated[StrictStr, Field(max_length=MAX_KEY_CHARS)]], Field(max_length=MAX_NAMES)
+    ]
+)
 _SECONDS: TypeAdapter[int | None] = TypeAdapter(StrictInt | None)
 
 
@@ -121,7 +130,14 @@ class AutoPolicy:
 def _problem(err: ValidationError) -> str:
     first = first_error(err)
     where = first.where(part="[{}]", sep="")
-    return f"{where + ': ' if where else ''}{first.msg}, got {json.dumps(first.input)}"
+    given = json.dumps(first.input)
+    shown = given if len(given) <= 80 else given[:80] + "…"
+    return f"{where + ': ' if where else ''}{first.msg}, got {shown}"
+
+
+def _over_window(seconds: int) -> str:
+    shown = f"{seconds}" if seconds < 10**15 else f"a {len(str(seconds))}-digit number"
+    return f"{shown} is over the {MAX_IDLE_WINDOW_S} s (30 days) limit"
 
 
 def _unique(names: Sequence[str]) -> tuple[str, ...]:
@@ -161,6 +177,9 @@ def policy_from_document(document: Mapping[str, Any], source: str) -> tuple[Auto
     if seconds is not None and seconds < 0:
         invalid("unload_idle_after_secs", f"must not be negative, got {seconds}", "off")
         seconds = None
+    if seconds is not None and seconds > MAX_IDLE_WINDOW_S:
+        invalid("unload_idle_after_secs", _over_window(seconds), "off")
+        seconds = None
     if seconds is not None and 0 < seconds < MIN_IDLE_WINDOW_S:
         findings.append(
             f"{source}: unload_idle_after_secs: {seconds} is under the {MIN_IDLE_WINDOW_S} s "
@@ -184,10 +203,13 @@ def policy_from_document(document: Mapping[str, Any], source: str) -> tuple[Auto
 def load_auto_policy(path: Path) -> tuple[AutoPolicy, list[str]]:
     """Read the policy file; never raises. Missing → off, no finding; unreadable → off."""
     try:
-        raw = jsonfile.read_capped_or_none(path)
+        raw = jsonfile.read_capped_or_none(path, trusted=True)
         if raw is None:
             return AutoPolicy(), []
         document = jsonfile.parse_json(raw, path)
+    except UntrustedFile as err:
+        # Standing consent only counts when the operator wrote it (docs/placement-rules.md §4.7).
+        return AutoPolicy(), [f"{path}: {err.message}; auto is off (never honoured as consent)"]
     except ConfigFileError as err:
         problem = f"{err.json_path}: {err.message}"
         return AutoPolicy(), [f"{path}: not valid JSON ({problem}); auto is off"]
@@ -268,10 +290,13 @@ def _check_removable(
 
 def _seconds(value: Any) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        shown = json.dumps(value) if not isinstance(value, int) else str(value)[:20]
         raise InvalidArgument(
             "unload_idle_after_secs: expected whole seconds ≥ 0 (0 or null turns the "
-            f"idle sweep off), got {json.dumps(value)}"
+            f"idle sweep off), got {shown}"
         )
+    if value is not None and value > MAX_IDLE_WINDOW_S:
+        raise InvalidArgument(f"unload_idle_after_secs: {_over_window(value)}; nothing was changed")
     return value or None
 
 
@@ -444,9 +469,9 @@ def _change_text(changes: Mapping[str, Any]) -> str:
 def _unparsable(path: Path) -> bool:
     """The file exists but is not a JSON object: an edit must not silently replace it."""
     try:
-        raw = jsonfile.read_capped_or_none(path)
+        raw = jsonfile.read_capped_or_none(path, trusted=True)
         return raw is not None and not isinstance(jsonfile.parse_json(raw, path), dict)
-    except ConfigFileError:
+    except ConfigFileError:  # an untrusted one too: it is kept aside, never edited
         return True
 
 

@@ -43,9 +43,25 @@ from uapplace.core.unitnames import unit_file_name, valid_unit_name
 from uapplace.files import jsonfile
 from uapplace.files.jsonfile import ConfigFileError
 from uapplace.files.registry import RegistryLoad, envelope_staleness
-from uapplace.files.registry_schema import UnitName, combined, json_path, validation_errors
+from uapplace.files.registry_schema import (
+    MAX_LIST_ITEMS,
+    MAX_TEXT_CHARS,
+    NonEmpty,
+    Text,
+    UnitName,
+    WholeMib,
+    combined,
+    json_path,
+    validation_errors,
+)
+from uapplace.files.timeouts import Timeouts
 
-MetricValue = StrictStr | StrictInt | StrictFloat
+MetricValue = (
+    Annotated[StrictStr, Field(max_length=MAX_TEXT_CHARS)]
+    | Annotated[StrictInt, Field(ge=-(2**53), le=2**53)]
+    | StrictFloat
+)
+"""A ``metricsMustMatch`` value; an integer beyond 2**53 could not equal any metric."""
 
 # --------------------------------------------------------------------------- policy file
 
@@ -53,21 +69,21 @@ MetricValue = StrictStr | StrictInt | StrictFloat
 class _ServiceDoc(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
 
-    name: Annotated[str, Field(min_length=1)]
+    name: NonEmpty
     unit: UnitName | None = None
-    metrics_must_match: dict[str, MetricValue] = Field(default={}, alias="metricsMustMatch")
-    exec_start_must_contain: list[Annotated[str, Field(min_length=1)]] = Field(
-        default=[], alias="execStartMustContain"
+    metrics_must_match: Annotated[dict[NonEmpty, MetricValue], Field(max_length=256)] = Field(
+        default={}, alias="metricsMustMatch"
     )
-    gpu_min_free_mib: Annotated[int, Field(ge=0)] | None = Field(
-        default=None, alias="gpuMinFreeMiB"
-    )
+    exec_start_must_contain: Annotated[
+        list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_LIST_ITEMS)
+    ] = Field(default=[], alias="execStartMustContain")
+    gpu_min_free_mib: WholeMib | None = Field(default=None, alias="gpuMinFreeMiB")
 
 
 class _PolicyDoc(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
-    services: list[_ServiceDoc]
+    services: Annotated[list[_ServiceDoc], Field(max_length=MAX_LIST_ITEMS)]
 
 
 @dataclass(frozen=True)
@@ -115,7 +131,7 @@ def refusing_policy(reason: str) -> ServicePolicy:
 
 def load_capacity_policy(path: Path) -> CapacityPolicy:
     """Read and check the policy. Raises :class:`ConfigFileError` naming file and path."""
-    raw = jsonfile.read_json(path)
+    raw = jsonfile.read_json(path, trusted=True)
     try:
         doc = _PolicyDoc.model_validate(raw)
     except ValidationError as exc:
@@ -230,7 +246,7 @@ def validate(load: RegistryLoad, policy: CapacityPolicy | None) -> list[Finding]
     ``per_session_cap_cells`` above ``context_pool_cells``; one id (model key or
     advertised id) claimed by two models; a model's ``service`` missing from the
     policy, or naming a service whose unit none of its configs runs under; a
-    ``metricsMustMatch`` value (``kv``, ``max_context``) the config contradicts; launch
+    ``metricsMustMatch`` value (``kv``, ``max_context``, ``n_ctx``) the config contradicts; launch
     flags lacking an ``execStartMustContain`` entry.
 
     Warnings: ``rails`` unknown; a config key shared by two models; a
@@ -254,6 +270,25 @@ def validate(load: RegistryLoad, policy: CapacityPolicy | None) -> list[Finding]
     findings.extend(_trust_rules(check))
     findings.extend(topology_findings(load))
     return list(dict.fromkeys(findings))
+
+
+def timeouts_findings(path: Path) -> list[Finding]:
+    """``enforcement-timeouts.json`` checked as uapplaced reads it (:meth:`Timeouts.load`):
+    each problem an error naming the file and key; none for a missing file (the defaults)."""
+    try:
+        Timeouts.load(path)
+    except ConfigFileError as err:
+        return [
+            Finding(
+                "error",
+                str(e.file),
+                e.json_path,
+                f"{e.message} (uapplaced keeps the timeouts it has: the defaults at start, "
+                "the last good file after a SIGHUP)",
+            )
+            for e in err.every()
+        ]
+    return []
 
 
 def topology_findings(load: RegistryLoad) -> list[Finding]:
@@ -535,10 +570,12 @@ def _same(expected: str | int | float, actual: str | int | float) -> bool:
 def _metrics_rules(
     check: _Checker, model: Model, config: Config, service: ServicePolicy
 ) -> Iterator[Finding]:
-    """``kv`` against the config's KV dtype, ``max_context`` against its context pool."""
+    """``kv`` against the config's KV dtype, ``max_context`` against its context pool,
+    ``n_ctx`` (llama.cpp's ``/props``: one slot's context) against its per-session cap."""
     stated: dict[str, tuple[str, str | int | float | None]] = {
         "kv": ("kv", config.kv),
         "max_context": ("context_pool_cells", config.context_pool_cells),
+        "n_ctx": ("per_session_cap_cells", config.per_session_cap_cells),
     }
     if config.kv is None:
         stated["kv"] = ("flags", _flag_value(config.flags, _KV_FLAGS))

@@ -27,6 +27,16 @@ never a traceback:
   digit limit are refused too.
 - **Duplicate keys** in one object are refused (in a hand-edited file the second one
   is a typo that would otherwise silently win).
+- **Owner and mode** (``trusted=True``: the registries, the capacity, auto and timeouts
+  policies, the ledger; docs/placement-rules.md §4.7). A file uapplaced takes orders from
+  must be owned by the user it runs as (or root) and not writable by group or others, as
+  ``ssh`` requires of ``authorized_keys``: anyone else who can write it could make
+  uapplaced stop models. Such a file is refused whole, :class:`UntrustedFile` naming the
+  file, its owner and its mode; it is checked on the descriptor that is read, so a
+  rename between the check and the read cannot slip another file in.
+
+:func:`loads_text` applies the same depth, number and duplicate-key rules to JSON that
+arrives over the bus (``SetAutoPolicy``), raising :class:`JsonTextError` with the path.
 
 Writing: :func:`atomic_write` (tmp + fsync + rename + fsync of the directory; every
 file uapplace replaces goes through it) and
@@ -46,6 +56,7 @@ import json
 import logging
 import math
 import os
+import pwd
 import stat
 import tempfile
 import time
@@ -65,6 +76,10 @@ LEDGER_MAX_BYTES = 16 * 1024 * 1024
 _KEY_SHOWN = 40
 
 log = logging.getLogger(__name__)
+
+
+TRUSTED_WRITE_BITS = 0o022
+"""Group- or other-writable: refused on a trusted file (``ssh``'s ``StrictModes`` rule)."""
 
 
 class ConfigFileError(Exception):
@@ -94,24 +109,84 @@ class ConfigFileError(Exception):
         return (self, *self.others)
 
 
+class UntrustedFile(ConfigFileError):
+    """A file uapplaced trusts is owned by another user or writable by group or others
+    (docs/placement-rules.md §4.7): refused whole, like a file that does not parse."""
+
+    def __init__(self, file: Path, owner: int, mode: int) -> None:
+        self.owner = owner
+        self.mode = mode
+        super().__init__(file, "$", untrusted_reason(owner, mode))
+
+
+def trusted_owners() -> frozenset[int]:
+    """Who may own a trusted file: the user uapplaced runs as, and root."""
+    return frozenset({os.geteuid(), 0})
+
+
+def untrusted_reason(owner: int, mode: int) -> str:
+    """Why a file with this owner and mode is refused (the fix included)."""
+    problems = []
+    if owner not in trusted_owners():
+        problems.append(f"it is owned by {_user_text(owner)}, not by {_user_text(os.geteuid())}")
+    if mode & TRUSTED_WRITE_BITS:
+        who = " and ".join(w for bit, w in ((0o020, "group"), (0o002, "others")) if mode & bit)
+        problems.append(f"mode {mode:04o} lets {who} write it")
+    return (
+        f"refused: {'; '.join(problems)} (owner uid {owner}, mode {mode:04o}). A file "
+        f"uapplaced takes orders from must be owned by {_user_text(os.geteuid())} or root and "
+        "writable by no one else (as ssh requires): check who wrote it, then chown it and "
+        "chmod go-w it"
+    )
+
+
+def _user_text(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def is_trusted(info: os.stat_result) -> bool:
+    return info.st_uid in trusted_owners() and not info.st_mode & TRUSTED_WRITE_BITS
+
+
+def check_trusted(path: Path) -> None:
+    """Raise :class:`UntrustedFile` for an existing ``path`` that is not trusted (a missing
+    file is not an error here)."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigFileError(path, "$", f"cannot read: {exc.strerror or exc}") from None
+    if not is_trusted(info):
+        raise UntrustedFile(path, info.st_uid, stat.S_IMODE(info.st_mode))
+
+
 # --------------------------------------------------------------------------- reading
 
 
-def read_capped(path: Path, max_bytes: int = CONFIG_MAX_BYTES) -> bytes:
+def read_capped(path: Path, max_bytes: int = CONFIG_MAX_BYTES, *, trusted: bool = False) -> bytes:
     """The file's bytes, refusing a file over ``max_bytes`` or one that is not a regular file.
 
     Raises :class:`ConfigFileError` (``file not found`` for a missing file: callers
     that treat a missing file as normal test for it first or catch
     :class:`FileNotFoundError` via :func:`read_capped_or_none`).
     """
-    raw = read_capped_or_none(path, max_bytes)
+    raw = read_capped_or_none(path, max_bytes, trusted=trusted)
     if raw is None:
         raise ConfigFileError(path, "$", "file not found")
     return raw
 
 
-def read_capped_or_none(path: Path, max_bytes: int = CONFIG_MAX_BYTES) -> bytes | None:
-    """Like :func:`read_capped`, but ``None`` for a file that does not exist."""
+def read_capped_or_none(
+    path: Path, max_bytes: int = CONFIG_MAX_BYTES, *, trusted: bool = False
+) -> bytes | None:
+    """Like :func:`read_capped`, but ``None`` for a file that does not exist.
+
+    With ``trusted``, a file owned by another user or writable by group or others is
+    :class:`UntrustedFile` (checked on the descriptor that is then read)."""
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -123,6 +198,8 @@ def read_capped_or_none(path: Path, max_bytes: int = CONFIG_MAX_BYTES) -> bytes 
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ConfigFileError(path, "$", "not a regular file")
+        if trusted and not is_trusted(info):
+            raise UntrustedFile(path, info.st_uid, stat.S_IMODE(info.st_mode))
         if info.st_size > max_bytes:
             raise ConfigFileError(path, "$", _too_large(info.st_size, max_bytes))
         with os.fdopen(fd, "rb", closefd=False) as handle:
@@ -151,9 +228,10 @@ def read_json(
     max_bytes: int = CONFIG_MAX_BYTES,
     max_depth: int = MAX_DEPTH,
     allow_non_finite: bool = False,
+    trusted: bool = False,
 ) -> Any:
     """Read and parse a JSON file; every failure is a :class:`ConfigFileError` naming it."""
-    raw = read_capped(path, max_bytes)
+    raw = read_capped(path, max_bytes, trusted=trusted)
     return parse_json(raw, path, max_depth=max_depth, allow_non_finite=allow_non_finite)
 
 
@@ -199,6 +277,28 @@ def parse_json(
         where, reason = problem
         raise ConfigFileError(file, where, reason)
     return value
+
+
+class JsonTextError(ValueError):
+    """JSON text (not a file: a bus argument) that :func:`loads_text` refuses.
+
+    ``str()`` is ``"<json_path>: <message>"``."""
+
+    def __init__(self, json_path: str, message: str) -> None:
+        super().__init__(f"{json_path}: {message}")
+        self.json_path = json_path
+        self.message = message
+
+
+def loads_text(text: str, *, max_chars: int, max_depth: int = MAX_DEPTH) -> Any:
+    """``text`` parsed under the rules files get (depth, finite numbers, Python's integer
+    digit limit, duplicate keys) and a size cap; :class:`JsonTextError` otherwise."""
+    if len(text) > max_chars:
+        raise JsonTextError("$", f"{len(text):,} characters, over the {max_chars:,} limit")
+    try:
+        return parse_json(text, Path("(text)"), max_depth=max_depth)
+    except ConfigFileError as err:
+        raise JsonTextError(err.json_path, err.message) from None
 
 
 def _too_deep(max_depth: int) -> str:

@@ -12,8 +12,12 @@ A file that is not valid JSON or not the docs/placement-rules.md §4.2 shape is 
 :attr:`Ledger.last_error` says where it went, and work continues from an empty
 document. "The file as a whole" is judged strictly (:class:`LedgerFileError`): over
 16 MiB, nested deeper than 64 levels, not JSON, not an object, a wrong ``version``
-or ``updated_at`` (:mod:`uapplace.files.jsonfile`). Everything below that is judged item by
-item: a pending entry with an unknown field, a resident with a NaN ``gpu_mib``, a
+or ``updated_at`` (:mod:`uapplace.files.jsonfile`), or owned by another user or writable
+by group or others (:class:`~uapplace.files.jsonfile.UntrustedFile`: its residents and
+pending entries are never restored; the daemon's next write replaces it with its own).
+Over :data:`~uapplace.core.admission.MAX_PENDING` pending entries, the ones that expire
+first are dropped with one line in :attr:`LedgerDoc.dropped`. Everything below that is
+judged item by item: a pending entry with an unknown field, a resident with a NaN ``gpu_mib``, a
 device, alert, usage or cooldown that does not validate is dropped alone, logged and
 listed in :attr:`LedgerDoc.dropped`; the rest is kept (:func:`doc_from_file_json`).
 Numbers that are not finite are refused everywhere; nothing writes a bare ``NaN``.
@@ -38,6 +42,7 @@ from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
+from uapplace.core.admission import MAX_PENDING
 from uapplace.core.alerts import Alert
 from uapplace.core.model import (
     DeviceReading,
@@ -179,6 +184,8 @@ def resident_to_json(resident: Resident) -> dict[str, Any]:
     }
     if resident.main_pid is not None:
         out["main_pid"] = resident.main_pid
+    if resident.asleep:
+        out["asleep"] = True
     return out
 
 
@@ -295,6 +302,7 @@ def doc_from_file_json(data: Any, file: Path) -> LedgerDoc:
         name: _valid_items(name, data.get(name), dropped)
         for name in ("devices", "residents", "pending", "usage", "cooldowns", "alerts")
     }
+    items["pending"] = _within_pending_cap(items["pending"], dropped)
     return LedgerDoc(
         version=head.version,
         updated_at=head.updated_at,
@@ -309,6 +317,26 @@ def doc_from_file_json(data: Any, file: Path) -> LedgerDoc:
 
 
 _ISO_SECONDS: TypeAdapter[float] = TypeAdapter(IsoSeconds)
+_IDS_SHOWN = 5
+
+
+def _within_pending_cap(
+    pending: list[tuple[Any, PendingJson]], dropped: list[str]
+) -> list[tuple[Any, PendingJson]]:
+    """At most :data:`~uapplace.core.admission.MAX_PENDING` entries, the ones that expire
+    last (admission keeps no more); the rest dropped with one line that says so."""
+    if len(pending) <= MAX_PENDING:
+        return pending
+    by_expiry = sorted(pending, key=lambda item: item[1].expires_at)
+    cut, kept = by_expiry[: len(pending) - MAX_PENDING], by_expiry[len(pending) - MAX_PENDING :]
+    ids = ", ".join(str(entry.id) for _, entry in cut[:_IDS_SHOWN])
+    more = f" and {len(cut) - _IDS_SHOWN:,} more" if len(cut) > _IDS_SHOWN else ""
+    dropped.append(
+        f"pending: {len(pending):,} entries, over the {MAX_PENDING:,} uapplaced keeps; kept "
+        f"the {MAX_PENDING:,} that expire last and dropped {len(cut):,} ({ids}{more})"
+    )
+    kept_ids = {id(entry) for _, entry in kept}
+    return [item for item in pending if id(item[1]) in kept_ids]
 
 
 def _valid_items(name: str, raw: Any, dropped: list[str]) -> list[tuple[Any, Any]]:
@@ -412,7 +440,7 @@ class Ledger:
         """Raises :class:`LedgerFormatError` (a :class:`LedgerFileError` for the file as a
         whole: over :data:`~uapplace.files.jsonfile.LEDGER_MAX_BYTES`, too deep, not JSON)."""
         try:
-            raw = jsonfile.read_capped_or_none(self.path, jsonfile.LEDGER_MAX_BYTES)
+            raw = jsonfile.read_capped_or_none(self.path, jsonfile.LEDGER_MAX_BYTES, trusted=True)
         except ConfigFileError as err:
             raise LedgerFileError(err.file, err.json_path, err.message) from None
         if raw is None:

@@ -33,6 +33,28 @@ from uapplace.core.model import (
     ResidentState,
     Victim,
 )
+from uapplace.files.registry_schema import (
+    MAX_CELLS,
+    MAX_MIB,
+    MAX_TEXT_CHARS,
+    Endpoint,
+    Mib,
+    NonEmpty,
+    UnitName,
+)
+
+LEDGER_ID_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+"""A pending entry's id (``plc-`` + 6 hex digits when uapplaced made it): never a path
+(``../../x``), never a control character."""
+MAX_PID = 1 << 22
+"""Linux's largest ``pid_max``."""
+MAX_NAME_CHARS = 1024
+"""A model id, client or session in the ledger (admission cuts identities to 128)."""
+
+LedgerId = Annotated[str, Field(pattern=LEDGER_ID_RE)]
+Pid = Annotated[int, Field(ge=0, le=MAX_PID)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+Cookie = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
 def _iso_seconds(value: Any) -> float:
@@ -62,17 +84,17 @@ class StrictJson(BaseModel):
 
 
 class ProcessJson(StrictJson):
-    pid: int
-    used_mib: float
-    command: str = ""
+    pid: Pid
+    used_mib: Mib
+    command: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] = ""
 
 
 class DeviceJson(StrictJson):
     kind: DeviceKind
-    total_mib: float
-    free_mib: float
+    total_mib: Mib
+    free_mib: Annotated[float, Field(ge=-MAX_MIB, le=MAX_MIB)]
     source: ProbeSource
-    processes: list[ProcessJson] = []
+    processes: Annotated[list[ProcessJson], Field(max_length=4096)] = []
     uuid: str | None = None
     error: str | None = None
     # The registry's reserve may come next to the reading (docs/placement-rules.md §4.2);
@@ -82,11 +104,11 @@ class DeviceJson(StrictJson):
 
 
 class HolderJson(StrictJson):
-    client: str
+    client: Name
     kind: Literal["inflight", "hold"]
-    detail: str = ""
-    started_at: str | None = None
-    cookie: int | None = None
+    detail: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] = ""
+    started_at: Annotated[str, Field(max_length=64)] | None = None
+    cookie: Cookie | None = None
 
 
 def schema_of(inside: type[Any], name: str, spelled: Mapping[str, tuple[Any, Any]]) -> Any:
@@ -116,10 +138,23 @@ else:
     ResidentJson = schema_of(
         Resident,
         "ResidentJson",
-        {"since": (IsoText, ...), "holders": (list[HolderJson], [])},
+        {
+            "model": (NonEmpty, ...),
+            "config": (NonEmpty, ...),
+            "device": (NonEmpty, ...),
+            "unit": (UnitName | None, ...),
+            "endpoint": (Endpoint | None, ...),
+            "gpu_mib": (Mib | None, ...),
+            "host_rss_mib": (Mib | None, ...),
+            "since": (IsoText, ...),
+            "holders": (Annotated[list[HolderJson], Field(max_length=4096)], []),
+            "main_pid": (Pid | None, None),
+        },
     )
     """A resident as the file holds it: :class:`~uapplace.core.model.Resident`'s fields,
-    ``since`` an ISO-8601 UTC time, ``holders`` a list."""
+    ``since`` an ISO-8601 UTC time, ``holders`` a list; a ``unit`` systemd may be handed
+    (:func:`~uapplace.core.unitnames.valid_unit_name`: never ``../../evil.service``), keys
+    that are printable text, figures in range (docs/placement-rules.md §4.7)."""
 
 
 class VictimJson(StrictJson):
@@ -138,6 +173,9 @@ class VictimJson(StrictJson):
     residual_mib: float = 0.0
     host_grows_mib: float = 0.0
     alternative: str = ""
+    # Issue 19: host RAM it frees, and the kind of its device (the CPU tier).
+    frees_host_mib: float = 0.0
+    device_kind: DeviceKind = DeviceKind.GPU
 
 
 class OptionJson(StrictJson):
@@ -151,20 +189,23 @@ class OptionJson(StrictJson):
     # Derived from the victims by Option; accepted on input, recomputed on output.
     signature: list[str] | None = None
     frees_mib: float | None = None
+    frees_host_mib: float | None = None
     expected_s: float | None = None
+    host_mib: float = 0.0
+    device_kind: DeviceKind = DeviceKind.GPU
 
 
 class PendingJson(StrictJson):
-    id: str
-    requested_model: str
-    client: str
-    session: str | None = None
-    pid: int | None = None
+    id: LedgerId
+    requested_model: Name
+    client: Name
+    session: Name | None = None
+    pid: Pid | None = None
     created_at: IsoSeconds
     expires_at: IsoSeconds
     reason: ParkReason
-    cells: int = Field(default=DEFAULT_CELLS, gt=0)
-    options: list[OptionJson] = []
+    cells: int = Field(default=DEFAULT_CELLS, gt=0, le=MAX_CELLS)
+    options: Annotated[list[OptionJson], Field(max_length=256)] = []
     # ListPending's 1-based pointer into options; derived, so not kept.
     recommended: int | None = None
 
@@ -235,8 +276,10 @@ def victim_from(data: VictimJson) -> Victim:
 
 
 def option_from(data: OptionJson) -> Option:
-    """``signature`` and ``frees_mib`` are derived from the victims: recomputed, not read."""
-    fields = fields_of(data, leave_out=frozenset({"signature", "frees_mib", "victims"}))
+    """``signature``, ``frees_mib`` and ``frees_host_mib`` are derived from the victims:
+    recomputed, not read."""
+    derived = frozenset({"signature", "frees_mib", "frees_host_mib", "victims"})
+    fields = fields_of(data, leave_out=derived)
     return Option(victims=tuple(victim_from(v) for v in data.victims), **fields)
 
 

@@ -307,11 +307,13 @@ def load_registry(repo_path: Path, local_path: Path | None) -> RegistryLoad:
     that is unreadable or invalid is ignored whole (a half-applied measurement file is
     worse than none) and reported in :attr:`RegistryLoad.errors`; a missing one is normal.
     """
-    repo = parse_doc(RegistryDoc, jsonfile.read_json(repo_path), repo_path)
+    repo = parse_doc(RegistryDoc, jsonfile.read_json(repo_path, trusted=True), repo_path)
     errors: tuple[ConfigFileError, ...] = ()
     if local_path is not None and local_path.exists():
         try:
-            local = parse_doc(LocalRegistryDoc, jsonfile.read_json(local_path), local_path)
+            local = parse_doc(
+                LocalRegistryDoc, jsonfile.read_json(local_path, trusted=True), local_path
+            )
             registry, provenance = _build(_Sources(repo, local, repo_path, local_path))
             return RegistryLoad(registry, (), repo_path, local_path, provenance)
         except ConfigFileError as err:

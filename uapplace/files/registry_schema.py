@@ -10,6 +10,7 @@ measurements) and :mod:`uapplace.files.capacity`. Nothing here reads or writes a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -22,6 +23,8 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    ValidationInfo,
+    field_validator,
 )
 
 from uapplace.core.model import PauseLever, parse_iso
@@ -31,6 +34,23 @@ from uapplace.files.jsonfile import ConfigFileError
 DEVICE_KEY_RE = r"^[A-Za-z0-9_.-]+$"
 """Device keys become the ``<device>:`` half of a proxy ``target_id`` (docs/http-contract.md §1)."""
 _CONFIG_TAGS = ("measured", "unmeasured")
+
+# Ranges (docs/placement-rules.md §4.7): far beyond any real machine, and small enough
+# that every sum and product the planner makes stays an exact, finite number.
+MAX_MIB = 1 << 30
+"""1 PiB, in MiB: the most any memory figure may say."""
+MAX_CELLS = 2**32 - 1
+"""Context cells travel as a D-Bus ``u`` (32 bits)."""
+MAX_SECONDS = 86_400.0
+"""A day: the most a start, stop or wake figure or bound may say."""
+MAX_RAILS = 4096
+MAX_KEY_CHARS = 256
+"""Model, config and device keys, advertised ids, service and engine names."""
+MAX_TEXT_CHARS = 4096
+"""Free text (display names, reasons, launch lines, paths, flags)."""
+MAX_LIST_ITEMS = 1024
+_UNSAFE_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+"""C0 and C1 controls (ESC included), DEL, and the Unicode bidi overrides and isolates."""
 
 
 # --------------------------------------------------------------------------- errors
@@ -76,6 +96,9 @@ def validation_errors(
     for err in exc.errors(include_url=False):
         loc = (*prefix, *err["loc"])
         message = str(err["msg"])
+        given = err.get("input")
+        if err["type"] == "float_type" and isinstance(given, int) and not isinstance(given, bool):
+            message = f"a {len(str(abs(given)))}-digit integer is too large for this number"
         if "[key]" in loc:
             message = f"bad key: {message}"
         out.append(ConfigFileError(file, json_path(_clean_loc(loc)), message))
@@ -91,7 +114,20 @@ def _check_unit(name: str) -> str:
     return name
 
 
+def check_plain_text(text: str) -> str:
+    """No control character (ESC, NUL, newline …), DEL or bidi override: a key or a name
+    is printed on the operator's terminal and sent over the bus and HTTP."""
+    found = _UNSAFE_CHARS.search(text)
+    if found is not None:
+        raise ValueError(
+            f"contains the control character U+{ord(found.group()):04X} at position "
+            f"{found.start()}: keys, ids and names must be printable text"
+        )
+    return text
+
+
 def _check_endpoint(url: str) -> str:
+    check_plain_text(url)
     scheme, sep, rest = url.partition("://")
     if scheme not in ("http", "https") or not sep or not rest or any(c.isspace() for c in url):
         raise ValueError(f"endpoint {url!r} must be an http:// or https:// URL with no spaces")
@@ -107,13 +143,19 @@ def _check_iso(text: str) -> str:
 
 
 UnitName = Annotated[str, AfterValidator(_check_unit)]
-Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
-IsoTime = Annotated[str, AfterValidator(_check_iso)]
-DeviceKey = Annotated[str, Field(pattern=DEVICE_KEY_RE)]
-NonEmpty = Annotated[str, Field(min_length=1)]
-Mib = Annotated[float, Field(ge=0)]
-Cells = Annotated[int, Field(ge=1)]
-Seconds = Annotated[float, Field(gt=0)]
+Endpoint = Annotated[str, Field(max_length=MAX_TEXT_CHARS), AfterValidator(_check_endpoint)]
+IsoTime = Annotated[str, Field(max_length=64), AfterValidator(_check_iso)]
+DeviceKey = Annotated[str, Field(pattern=DEVICE_KEY_RE, max_length=MAX_KEY_CHARS)]
+NonEmpty = Annotated[
+    str, Field(min_length=1, max_length=MAX_KEY_CHARS), AfterValidator(check_plain_text)
+]
+"""A key or an id: printable, at most :data:`MAX_KEY_CHARS` characters."""
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS), AfterValidator(check_plain_text)]
+Mib = Annotated[float, Field(ge=0, le=MAX_MIB)]
+WholeMib = Annotated[int, Field(ge=0, le=MAX_MIB)]
+Cells = Annotated[int, Field(ge=1, le=MAX_CELLS)]
+Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
+SecondsOrZero = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
 
 
 # --------------------------------------------------------------------------- file schema
@@ -129,10 +171,10 @@ class DeviceOverlayDoc(_Doc):
     The fields of :class:`DeviceDoc`, in the same order, none required."""
 
     kind: Literal["gpu", "cpu"] | None = None
-    total_mib: Annotated[int, Field(ge=1)] | None = None
-    reserved_mib: Annotated[int, Field(ge=0)] | None = None
-    name: str | None = None
-    reserve_reason: str | None = None
+    total_mib: Annotated[int, Field(ge=1, le=MAX_MIB)] | None = None
+    reserved_mib: WholeMib | None = None
+    name: Text | None = None
+    reserve_reason: Text | None = None
     uuid: NonEmpty | None = None
 
 
@@ -140,10 +182,21 @@ class DeviceDoc(DeviceOverlayDoc):
     """A device in the repo file (and a merged one): ``kind`` and the sizes required."""
 
     kind: Literal["gpu", "cpu"]
-    total_mib: Annotated[int, Field(ge=1)]
-    reserved_mib: Annotated[int, Field(ge=0)]
-    name: str = ""
-    reserve_reason: str = ""
+    total_mib: Annotated[int, Field(ge=1, le=MAX_MIB)]
+    reserved_mib: WholeMib
+    name: Text = ""
+    reserve_reason: Text = ""
+
+    @field_validator("reserved_mib")
+    @classmethod
+    def _reserve_fits(cls, reserved: int, info: ValidationInfo) -> int:
+        total = info.data.get("total_mib")
+        if isinstance(total, int) and reserved > total:
+            raise ValueError(
+                f"reserved_mib {reserved} exceeds total_mib {total}: a device cannot reserve "
+                "more than it has"
+            )
+        return reserved
 
 
 class MeasuredDeviceDoc(_Doc):
@@ -151,19 +204,19 @@ class MeasuredDeviceDoc(_Doc):
 
     name: NonEmpty | None = None
     uuid: NonEmpty | None = None
-    total_mib: Annotated[int, Field(ge=1)] | None = None
+    total_mib: Annotated[int, Field(ge=1, le=MAX_MIB)] | None = None
 
 
 class EnvelopeDoc(_Doc):
     """A config's measured enforcement envelope (``uapplace measure --envelope``; seconds)."""
 
-    stop_s: Annotated[float, Field(ge=0)]
-    free_s: Annotated[float, Field(ge=0)]
-    cold_start_s: Annotated[float, Field(ge=0)]
-    warm_start_s: Annotated[float, Field(ge=0)]
-    sleep_s: Annotated[float, Field(ge=0)] | None = None
+    stop_s: SecondsOrZero
+    free_s: SecondsOrZero
+    cold_start_s: SecondsOrZero
+    warm_start_s: SecondsOrZero
+    sleep_s: SecondsOrZero | None = None
     sleep_freed_mib: Mib | None = None
-    wake_s: Annotated[float, Field(ge=0)] | None = None
+    wake_s: SecondsOrZero | None = None
     measured_at: IsoTime
     measured_on: NonEmpty
 
@@ -174,14 +227,14 @@ class MeasuredConfigDoc(_Doc):
     host_rss_mib: Mib
     context_pool_cells: Cells | None = None
     per_session_cap_cells: Cells | None = None
-    kv_resident_cells: Annotated[int, Field(ge=0)] | None = None
+    kv_resident_cells: Annotated[int, Field(ge=0, le=MAX_CELLS)] | None = None
     kv_mib_per_1k_cells: Mib | None = None
     kv: NonEmpty | None = None
     measured_at: IsoTime | None = None
     measured_on: NonEmpty | None = None
     measured_device: MeasuredDeviceDoc | None = None
     engine_build: NonEmpty | None = None
-    flags: list[str] = []
+    flags: Annotated[list[Text], Field(max_length=MAX_LIST_ITEMS)] = []
     unit: UnitName | None = None
     endpoint: Endpoint | None = None
     # Diagnostics `measure` records (docs/placement-rules.md §4.1.1); never in the cost.
@@ -218,8 +271,11 @@ ConfigDoc = Annotated[
 ]
 
 
+Keys = Annotated[list[NonEmpty], Field(max_length=MAX_LIST_ITEMS)]
+
+
 class AffinityDoc(_Doc):
-    device: list[NonEmpty] = []
+    device: Keys = []
 
 
 class ModelOverlayDoc(_Doc):
@@ -232,15 +288,15 @@ class ModelOverlayDoc(_Doc):
     engine: NonEmpty | None = None
     configs: dict[NonEmpty, ConfigDoc] = {}
     unit: UnitName | None = None
-    launch: str | None = None
-    profile: str | None = None
+    launch: Text | None = None
+    profile: Text | None = None
     endpoint: Endpoint | None = None
     service: NonEmpty | None = None
-    rails: Annotated[int, Field(ge=1)] | None = None
-    rails_source: str | None = None
-    task_affinity: list[NonEmpty] | None = None
+    rails: Annotated[int, Field(ge=1, le=MAX_RAILS)] | None = None
+    rails_source: Text | None = None
+    task_affinity: Keys | None = None
     affinity: AffinityDoc | None = None
-    advertises: list[NonEmpty] | None = None
+    advertises: Keys | None = None
     engine_build: NonEmpty | None = None
 
 
@@ -251,8 +307,8 @@ class ModelDoc(ModelOverlayDoc):
     display: NonEmpty
     engine: NonEmpty
     configs: Annotated[dict[NonEmpty, ConfigDoc], Field(min_length=1)]
-    task_affinity: list[NonEmpty] = []
-    advertises: list[NonEmpty] = []
+    task_affinity: Keys = []
+    advertises: Keys = []
 
 
 class ProxyDoc(_Doc):

@@ -81,7 +81,7 @@ def write_local_device(local_path: Path, device: str, fields: Mapping[str, Any])
 def _read_for_update(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {"version": 1}
-    raw = jsonfile.read_json(path)
+    raw = jsonfile.read_json(path, trusted=True)
     if not isinstance(raw, dict):
         raise ConfigFileError(path, "$", "expected a JSON object at the top level")
     return raw

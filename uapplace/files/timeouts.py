@@ -24,6 +24,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -106,7 +107,7 @@ class Timeouts:
         """
         if path is None or not path.exists():
             return cls()
-        raw = read_json(path)
+        raw = read_json(path, trusted=True)
         try:
             doc = _TimeoutsDoc.model_validate(raw)
         except ValidationError as err:
@@ -240,25 +241,35 @@ class UpBound:
         return f"bound {self.seconds:g}s ({self.source})"
 
 
-class _TimeoutsDoc(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+MAX_WAIT_S = 86_400.0
+"""A day: the most any wait of the file may say (docs/placement-rules.md §4.7)."""
+MAX_POLL_S = 10.0
+MAX_MULTIPLE = 100.0
 
-    drain_s: float | None = Field(default=None, gt=0)
+_Wait = Annotated[float, Field(gt=0, le=MAX_WAIT_S)]
+_Poll = Annotated[float, Field(gt=0, le=MAX_POLL_S)]
+_Multiple = Annotated[float, Field(ge=1, le=MAX_MULTIPLE)]
+
+
+class _TimeoutsDoc(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    drain_s: _Wait | None = None
     drain_poll_s: float | None = Field(default=None, gt=0, le=0.25)
-    stop_s: float | None = Field(default=None, gt=0)
-    verify_free_s: float | None = Field(default=None, gt=0)
-    verify_free_poll_s: float | None = Field(default=None, gt=0)
-    start_s: float | None = Field(default=None, gt=0)
-    verify_up_s: float | None = Field(default=None, gt=0)
+    stop_s: _Wait | None = None
+    verify_free_s: _Wait | None = None
+    verify_free_poll_s: _Poll | None = None
+    start_s: _Wait | None = None
+    verify_up_s: _Wait | None = None
     health_first_poll_s: float | None = Field(default=None, gt=0, le=0.05)
-    health_max_poll_s: float | None = Field(default=None, gt=0)
-    http_s: float | None = Field(default=None, gt=0)
-    rollback_up_s: float | None = Field(default=None, gt=0)
-    measured_start_multiple: float | None = Field(default=None, ge=1)
-    measured_start_margin_s: float | None = Field(default=None, gt=0)
-    measured_start_floor_s: float | None = Field(default=None, gt=0)
-    verify_free_multiple: float | None = Field(default=None, ge=1)
-    verify_free_margin_s: float | None = Field(default=None, gt=0)
-    verify_free_floor_s: float | None = Field(default=None, gt=0)
-    drain_multiple: float | None = Field(default=None, ge=1)
-    drain_floor_s: float | None = Field(default=None, gt=0)
+    health_max_poll_s: _Poll | None = None
+    http_s: float | None = Field(default=None, gt=0, le=60.0)
+    rollback_up_s: _Wait | None = None
+    measured_start_multiple: _Multiple | None = None
+    measured_start_margin_s: _Wait | None = None
+    measured_start_floor_s: _Wait | None = None
+    verify_free_multiple: _Multiple | None = None
+    verify_free_margin_s: _Wait | None = None
+    verify_free_floor_s: _Wait | None = None
+    drain_multiple: _Multiple | None = None
+    drain_floor_s: _Wait | None = None

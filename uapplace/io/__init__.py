@@ -1,7 +1,9 @@
 """The machine: systemd units, devices, engines.
 
 Owns pystemd unit control (``units``), device probes: NVML, the simulated GPU, the
-host (``devices``), engine and proxy HTTP probes (``engines``), per-target rails
+host (``devices``), engine and proxy HTTP probes (``engines``), what an engine says of
+its own in-flight work (``busy``, the drain's second source), llama.cpp routers'
+model load/unload and status (``router``), per-target rails
 (``rails``), the daemon's counters (``counters``) and the Protocols enforcement and
 recovery see these through (``seams``: fakes stand in for them in the unit tier).
 

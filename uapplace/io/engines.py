@@ -15,6 +15,23 @@ at the root. Every probe has a short timeout (2 s unless given).
 
 So ``metricsMustMatch`` (``{"kv": "int8", "max_context": 131072}``) is checked
 with plain lookups. :mod:`uapplace.sim.engine` serves exactly these names.
+
+llama.cpp's ``/metrics`` has counters and gauges only (no context size, no
+settings); its settings are in ``GET /props``. :func:`props_facts` flattens
+``/props`` the same way: every top-level string, number or boolean under its own
+name (``total_slots`` → ``2.0``, ``build_info`` → ``"b1-0c1e570"``,
+``is_sleeping`` → ``"false"``; a boolean as ``"true"``/``"false"``), plus
+``n_ctx`` → ``default_generation_settings.n_ctx``, one slot's context. The
+publication check reads ``/props`` only for a ``metricsMustMatch`` key
+``/metrics`` lacks (:func:`uapplace.publish.verify.metrics_problem`).
+
+Sleep, never undone by a probe: llama.cpp started with ``--sleep-idle-seconds``
+frees its model when idle and says so in ``/props`` ``is_sleeping``; ``/health``,
+``/props``, ``/v1/models`` and ``/metrics`` answer without waking it, but
+**``GET /slots`` wakes it** (it is a task). :func:`sleep_state` asks ``/props``
+first and vLLM's ``GET /is_sleeping`` only when ``/props`` has no answer, so one
+call serves either engine kind; :func:`slots` asks ``/props`` first and never
+calls ``/slots`` on a sleeping engine.
 """
 
 from __future__ import annotations
@@ -23,7 +40,9 @@ import asyncio
 import json
 import math
 import time
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import aiohttp
 from pydantic import BaseModel, ValidationError
@@ -124,9 +143,27 @@ async def served_ids(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[
         ) from None
 
 
+async def get_reply(
+    endpoint: str, route: str, timeout_s: float = PROBE_TIMEOUT_S
+) -> tuple[int | None, str]:
+    """``GET <root><route>`` as answered: ``(status, body)``, or ``(None, why)`` when nothing
+    answered (refused, reset, timed out). Never raises: the drain asks several routes and
+    reports what each said (:mod:`uapplace.io.busy`)."""
+    url = f"{engine_root(endpoint)}{route}"
+    try:
+        return await _request("GET", url, timeout_s)
+    except (aiohttp.ClientError, TimeoutError) as err:
+        return None, _describe(err)
+
+
 async def slots(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[dict[str, Any]] | None:
     """``GET /slots`` as served, or ``None`` when the engine cannot tell (no such
-    route, loading, error, not a list of objects): unknown, never a guess."""
+    route, loading, error, not a list of objects): unknown, never a guess.
+
+    ``/props`` is asked first: when it says ``is_sleeping: true`` the answer is ``None``
+    and ``/slots`` is never asked, since it would wake the engine (module doc)."""
+    if await _props_says_asleep(endpoint, timeout_s):
+        return None
     try:
         body = await _get_json(f"{engine_root(endpoint)}/slots", timeout_s)
     except EngineError:
@@ -144,6 +181,84 @@ async def metrics(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str
         return parse_prometheus(text)
     except ValueError as err:
         raise EngineError(f"GET {url}: {err}") from None
+
+
+# --------------------------------------------------------------------------- /props
+
+PROPS_ROUTE = "/props"
+N_CTX_SETTING = "default_generation_settings"
+"""The ``/props`` object whose ``n_ctx`` is one slot's context (llama.cpp)."""
+
+
+async def props(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
+    """``GET /props`` as served: a JSON object. Raises :class:`EngineError`. It never
+    wakes a sleeping llama.cpp (module doc)."""
+    url = f"{engine_root(endpoint)}{PROPS_ROUTE}"
+    status, text = await _answer("GET", url, timeout_s)
+    return props_body(url, status, text)
+
+
+def props_body(url: str, status: int | None, text: str) -> dict[str, Any]:
+    """The JSON object of a ``/props`` answer, else :class:`EngineError` naming ``url``
+    (``status`` ``None``: nothing answered, and ``text`` says why)."""
+    if status is None:
+        raise EngineError(f"GET {url}: {text}")
+    if status != 200:
+        raise _not_ok("GET", url, status, text)
+    try:
+        body = json.loads(text)
+    except ValueError as err:
+        raise EngineError(f"GET {url}: body is not JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise EngineError(f"GET {url}: not a JSON object: {text[:120]}")
+    return body
+
+
+def props_facts(body: Mapping[str, Any]) -> dict[str, float | str]:
+    """``/props`` as facts ``metricsMustMatch`` can check (module doc): each top-level
+    scalar under its name, and ``n_ctx`` from ``default_generation_settings``."""
+    facts: dict[str, float | str] = {}
+    for key, value in body.items():
+        fact = _fact(value)
+        if fact is not None:
+            facts[key] = fact
+    settings = body.get(N_CTX_SETTING)
+    if "n_ctx" not in facts and isinstance(settings, dict):
+        fact = _fact(settings.get("n_ctx"))
+        if fact is not None:
+            facts["n_ctx"] = fact
+    return facts
+
+
+def props_fact_source(key: str, body: Mapping[str, Any]) -> str:
+    """Where :func:`props_facts` found ``key``, for a message: ``/props total_slots``."""
+    if key == "n_ctx" and key not in body:
+        return f"{PROPS_ROUTE} {N_CTX_SETTING}.n_ctx"
+    return f"{PROPS_ROUTE} {key}"
+
+
+def _fact(value: object) -> float | str | None:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    if isinstance(value, str):
+        return value
+    return None
+
+
+def props_sleeping(body: Mapping[str, Any]) -> bool | None:
+    """``/props`` ``is_sleeping`` when it is a boolean; ``None`` when ``/props`` has none
+    (a router's own ``/props``, an older server)."""
+    value = body.get("is_sleeping")
+    return value if isinstance(value, bool) else None
+
+
+async def _props_says_asleep(endpoint: str, timeout_s: float) -> bool:
+    try:
+        return props_sleeping(await props(endpoint, timeout_s)) is True
+    except EngineError:
+        return False
 
 
 async def wait_healthy(
@@ -215,17 +330,59 @@ class _SleepState(BaseModel):
     is_sleeping: bool
 
 
+SleepSource = Literal["props", "is_sleeping"]
+
+
+@dataclass(frozen=True)
+class SleepState:
+    """Whether an engine is asleep, and which route said so."""
+
+    asleep: bool
+    source: SleepSource
+    """``props``: llama.cpp's ``/props`` ``is_sleeping`` (its idle sleep,
+    ``--sleep-idle-seconds``); ``is_sleeping``: vLLM's ``GET /is_sleeping`` (its
+    ``POST /sleep``)."""
+
+    def why_asleep(self) -> str:
+        """How the engine came to sleep, for a message (what wakes it differs)."""
+        if self.source == "props":
+            return "llama.cpp --sleep-idle-seconds, /props is_sleeping"
+        return "vLLM POST /sleep, /is_sleeping"
+
+
+async def sleep_state(
+    endpoint: str,
+    timeout: float = PROBE_TIMEOUT_S,  # noqa: ASYNC109
+) -> SleepState | None:
+    """Is the engine asleep? ``/props`` ``is_sleeping`` first (llama.cpp; it does not
+    wake the engine), else vLLM's ``GET /is_sleeping`` → ``{"is_sleeping": bool}``.
+    ``None`` when neither tells (no route, error, another body, nothing answered):
+    unknown, never a guess."""
+    url = f"{engine_root(endpoint)}{PROPS_ROUTE}"
+    try:
+        status, text = await _request("GET", url, timeout)
+    except (aiohttp.ClientError, TimeoutError):
+        return None  # nothing answered: asking a second route would only wait twice
+    try:
+        asleep = props_sleeping(props_body(url, status, text))
+    except EngineError:
+        asleep = None
+    if asleep is not None:
+        return SleepState(asleep, "props")
+    try:
+        body = await _get_json(f"{engine_root(endpoint)}/is_sleeping", timeout)
+        return SleepState(_SleepState.model_validate(body).is_sleeping, "is_sleeping")
+    except (EngineError, ValidationError):
+        return None
+
+
 async def is_sleeping(
     endpoint: str,
     timeout: float = PROBE_TIMEOUT_S,  # noqa: ASYNC109
 ) -> bool | None:
-    """vLLM's ``GET /is_sleeping`` → ``{"is_sleeping": bool}``; ``None`` when the engine
-    cannot tell (no route, error, another body): unknown, never a guess."""
-    try:
-        body = await _get_json(f"{engine_root(endpoint)}/is_sleeping", timeout)
-        return _SleepState.model_validate(body).is_sleeping
-    except (EngineError, ValidationError):
-        return None
+    """:func:`sleep_state` as a plain answer: llama.cpp or vLLM; ``None`` = unknown."""
+    state = await sleep_state(endpoint, timeout)
+    return None if state is None else state.asleep
 
 
 # --------------------------------------------------------------------------- Prometheus text

@@ -10,8 +10,12 @@ agree, and a disagreement is surfaced, never silently resolved:
   ============  ============================================================
   engine        sources, in order
   ============  ============================================================
-  llama.cpp     ``GET /slots`` (the number of slot objects) → ``GET /props``
-                ``total_slots`` (``/slots`` is off with ``--no-slots``)
+  llama.cpp     ``GET /props`` ``total_slots`` → ``GET /slots`` (the number of
+                slot objects), asked only when ``/props`` has no
+                ``total_slots`` and does not say ``is_sleeping: true``:
+                ``GET /slots`` wakes a sleeping llama.cpp, ``/props`` does not
+                (:mod:`uapplace.io.engines`). A sleeping engine without
+                ``total_slots`` reads as ``not_probed``, never woken to count
   strata        ``GET /metrics`` ``rails``, else a ``slots`` gauge. Not
                 ``expert_slots``: it is 7736 on a one-rail server (expert-cache
                 slots, docs/placement-rules.md §5 item 3), although a registry
@@ -23,14 +27,15 @@ agree, and a disagreement is surfaced, never silently resolved:
                 reliable source is the launch flag ``--max-num-seqs`` written into
                 the registry's ``rails``; a live vLLM without the metric reads as
                 ``unsupported``, never as a number.
-  other         ``/slots`` → ``/props`` → ``/metrics`` ``slots``
+  other         ``/props`` → ``/slots`` (the same guard) → ``/metrics`` ``slots``
   ============  ============================================================
 
 Probe states (:class:`ProbeState`): ``ok`` (a live number), ``probe_failed``
 (the engine did not answer usably: unreachable, timeout, 5xx, a body that is
 not what the route serves), ``unsupported`` (the engine answered but has no
 rail source: ``/slots`` 404/405/501 and no ``total_slots``; vLLM without the
-metric), ``not_probed`` (no endpoint to ask). A failed probe is never read as
+metric), ``not_probed`` (no endpoint to ask, or a sleeping engine that only
+``/slots`` could answer for). A failed probe is never read as
 one rail: that is the bug docs/placement-rules.md §5 item 3 names (a default rail count
 standing in for a failed probe).
 
@@ -57,8 +62,10 @@ from typing import Any, Literal
 
 import aiohttp
 
-from uapplace.core.model import Model, Resident
-from uapplace.io.engines import engine_root, parse_prometheus
+from uapplace.core.model import Model, Resident, ResidentState
+from uapplace.io.engines import engine_root, parse_prometheus, props_sleeping
+from uapplace.io.router import is_router_config, router_model_id
+from uapplace.io.router import model_query as router_model_query
 
 RAILS_PROBE_TIMEOUT_S = 2.0
 LiveSource = Literal["slots", "props", "metrics"]
@@ -250,6 +257,12 @@ def read_slots(answer: _Answer) -> LiveRails | None:
     return LiveRails(ProbeState.OK, len(body), "slots", f"{len(body)} slot objects")
 
 
+def asleep_in_props(answer: _Answer) -> bool:
+    """``/props`` answered and says ``is_sleeping: true`` (then ``/slots`` is not asked)."""
+    body = _json(answer) if answer.status == 200 else None
+    return isinstance(body, dict) and props_sleeping(body) is True
+
+
 def read_props(answer: _Answer) -> LiveRails | None:
     """``/props`` ``total_slots``: ``None`` when absent (route or field)."""
     if answer.status in UNSUPPORTED_STATUSES:
@@ -310,31 +323,42 @@ def _is_number(value: object) -> bool:
 
 
 _SOURCES: Mapping[EngineKind, tuple[LiveSource, ...]] = {
-    EngineKind.LLAMA_CPP: ("slots", "props"),
+    EngineKind.LLAMA_CPP: ("props", "slots"),
     EngineKind.STRATA: ("metrics",),
     EngineKind.VLLM: ("metrics",),
-    EngineKind.OTHER: ("slots", "props", "metrics"),
+    EngineKind.OTHER: ("props", "slots", "metrics"),
 }
 
 
 async def probe_rails(
-    endpoint: str | None, engine: str, timeout_s: float = RAILS_PROBE_TIMEOUT_S
+    endpoint: str | None,
+    engine: str,
+    timeout_s: float = RAILS_PROBE_TIMEOUT_S,
+    router_model: str | None = None,
 ) -> LiveRails:
     """Ask the live engine at ``endpoint`` how many rails it runs (module doc table).
 
     Never raises. The first source that answers with a number wins; a source
     that fails ends the probe as ``probe_failed`` (a server that errors on
-    ``/slots`` is not trusted on ``/props`` either); when every source is
-    absent the answer is ``unsupported``.
+    ``/props`` is not trusted on ``/slots`` either); when every source is
+    absent the answer is ``unsupported``. ``/slots`` is skipped when ``/props``
+    said ``is_sleeping: true`` (it would wake the engine); a sleeping engine with
+    no other source is ``not_probed``. ``router_model``: one model of a llama.cpp
+    router, asked only ``/props?model=ID&autoload=false`` (:func:`_probe_router_model`).
     """
     if not endpoint:
         return NOT_PROBED
+    if router_model is not None:
+        return await _probe_router_model(endpoint, router_model, timeout_s)
     kind = engine_kind(engine)
     root = engine_root(endpoint)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     absent: list[str] = []
+    asleep = False
     async with aiohttp.ClientSession(timeout=timeout) as http:
         for source in _SOURCES[kind]:
+            if source == "slots" and asleep:
+                continue
             answer = await _fetch(http, f"{root}/{source}")
             if answer.status is None:
                 return _failed(answer, answer.error)
@@ -342,15 +366,42 @@ async def probe_rails(
                 result = read_slots(answer)
             elif source == "props":
                 result = read_props(answer)
+                asleep = asleep_in_props(answer)
             else:
                 result = read_metrics(answer, METRIC_KEYS[kind])
             if result is not None:
                 return result
             absent.append(f"/{source}")
+    if asleep:
+        return LiveRails(
+            ProbeState.NOT_PROBED,
+            detail=f"{engine} at {root} is asleep (/props is_sleeping) and /props has no "
+            "total_slots; /slots not asked: it would wake the engine",
+        )
     return LiveRails(
         ProbeState.UNSUPPORTED,
         detail=f"{engine} at {root} has no rail source ({', '.join(absent)} absent)",
     )
+
+
+async def _probe_router_model(endpoint: str, model_id: str, timeout_s: float) -> LiveRails:
+    """A router model's rails: its child's ``total_slots``, read through the router with
+    ``?model=ID&autoload=false`` — never ``/slots``, and never without ``autoload=false``:
+    either would load the model (and evict another under ``--models-max``). A model the
+    router has not loaded is ``not_probed`` (docs/placement-rules.md §4.2)."""
+    url = f"{engine_root(endpoint)}/props?{router_model_query(model_id)}"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+        answer = await _fetch(http, url)
+    if answer.status == 400 and "not loaded" in answer.text:
+        return LiveRails(
+            ProbeState.NOT_PROBED, detail=f"{model_id} is not loaded in the router at {endpoint}"
+        )
+    if answer.status is None:
+        return _failed(answer, answer.error)
+    result = read_props(answer)
+    if result is not None:
+        return result
+    return LiveRails(ProbeState.UNSUPPORTED, detail=f"GET {url}: no total_slots")
 
 
 @dataclass(frozen=True)
@@ -363,6 +414,8 @@ class RailsQuery:
     endpoint: str | None
     declared: int | None = None
     declared_source: str | None = None
+    router_model: str | None = None
+    """The router model id, for one model of a llama.cpp router."""
 
 
 async def target_rails(
@@ -370,7 +423,9 @@ async def target_rails(
 ) -> list[TargetRails]:
     """Probe every target at once; the answers come back in the same order."""
     rows = list(queries)
-    lives = await asyncio.gather(*(probe_rails(q.endpoint, q.engine, timeout_s) for q in rows))
+    lives = await asyncio.gather(
+        *(probe_rails(q.endpoint, q.engine, timeout_s, q.router_model) for q in rows)
+    )
     return [
         TargetRails(q.target_id, q.model, q.engine, q.endpoint, q.declared, q.declared_source, live)
         for q, live in zip(rows, lives, strict=True)
@@ -380,11 +435,14 @@ async def target_rails(
 def queries_for(residents: Iterable[Resident], models: Mapping[str, Model]) -> list[RailsQuery]:
     """One :class:`RailsQuery` per target of ``residents``, declared figures from ``models``.
 
-    Two residents on one target (one engine serving both) give one query, the first's.
+    Two residents on one target (one engine serving both) give one query, the first's;
+    a paused one comes last (the models of one llama.cpp router share a target, and a
+    paused one has nothing loaded to count).
     """
     seen: dict[str, RailsQuery] = {}
-    for resident in residents:
+    for resident in sorted(residents, key=lambda r: r.state is ResidentState.PAUSED):
         model = models.get(resident.model)
+        config = model.configs.get(resident.config) if model is not None else None
         seen.setdefault(
             resident.target_id,
             RailsQuery(
@@ -394,6 +452,7 @@ def queries_for(residents: Iterable[Resident], models: Mapping[str, Model]) -> l
                 resident.endpoint,
                 model.rails if model is not None else None,
                 model.rails_source if model is not None else None,
+                router_model_id(model) if model is not None and is_router_config(config) else None,
             ),
         )
     return list(seen.values())

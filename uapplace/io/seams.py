@@ -52,6 +52,8 @@ class EngineProbe(Protocol):
     ``health``, ``served_ids``, ``metrics`` and ``is_sleeping`` are what
     :func:`uapplace.publish.verify.check` reads; ``sleep`` and ``wake`` are vLLM's pause
     levers (issue 12). Failures raise :class:`~uapplace.io.engines.EngineError`.
+    ``get_reply`` is one ``GET`` as answered, never raising: the drain asks an engine
+    whether it is busy through it (:mod:`uapplace.io.busy`).
     """
 
     async def health(self, endpoint: str, timeout_s: float) -> bool: ...
@@ -65,6 +67,10 @@ class EngineProbe(Protocol):
     async def sleep(self, endpoint: str, level: int, timeout_s: float) -> None: ...
 
     async def wake(self, endpoint: str, timeout_s: float) -> None: ...
+
+    async def get_reply(
+        self, endpoint: str, route: str, timeout_s: float
+    ) -> tuple[int | None, str]: ...
 
 
 class HttpEngines:
@@ -87,6 +93,11 @@ class HttpEngines:
 
     async def wake(self, endpoint: str, timeout_s: float) -> None:
         await engines.wake(endpoint, timeout_s)
+
+    async def get_reply(
+        self, endpoint: str, route: str, timeout_s: float
+    ) -> tuple[int | None, str]:
+        return await engines.get_reply(endpoint, route, timeout_s)
 
 
 HTTP_ENGINES = HttpEngines()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -95,10 +96,15 @@ class UnitState:
 
     ``exec_start`` is every ``ExecStart=`` command line, argv joined by spaces,
     commands joined by ``"; "``. ``result`` is the service's ``Result``
-    (``success``, ``exit-code``, ``signal``, …). ``exec_paths`` is the binary
+    (``success``, ``exit-code``, ``signal``, ``timeout``, …). ``exec_paths`` is the binary
     of each ``ExecStart=`` command as systemd resolved it (the path, not
     ``argv[0]``); ``load_error`` is systemd's ``LoadError`` message when the unit
-    did not load (``"Unit x.service not found."``), else "".
+    did not load (``"Unit x.service not found."``), else "". ``exec_main_code`` and
+    ``exec_main_status`` are how the last main process ended (``ExecMainCode``: a
+    ``CLD_*`` code, :data:`CLD_KILLED` for a signal; ``ExecMainStatus``: the exit
+    status or the signal number), 0 while it runs or for non-services.
+    ``timeout_stop_s`` is the service's ``TimeoutStopSec=`` (``TimeoutStopUSec``), after
+    which systemd ``SIGKILL``s what is left; ``None`` when infinite or not read.
     """
 
     active_state: str
@@ -109,6 +115,9 @@ class UnitState:
     result: str = ""
     exec_paths: tuple[str, ...] = ()
     load_error: str = ""
+    exec_main_code: int = 0
+    exec_main_status: int = 0
+    timeout_stop_s: float | None = None
 
 
 # What an ``ActiveState`` means to us: the one definition of each set of unit states.
@@ -129,6 +138,59 @@ def state_text(state: UnitState) -> str:
     if state.result and state.result != "success":
         text += f" (result {state.result})"
     return text
+
+
+CLD_EXITED = 1
+"""``ExecMainCode`` of a main process that exited (``ExecMainStatus``: its exit status)."""
+CLD_KILLED = 2
+"""``ExecMainCode`` of a main process ended by a signal (``siginfo_t.si_code``)."""
+CLD_DUMPED = 3
+"""``ExecMainCode`` of a main process ended by a signal that dumped core."""
+USEC_INFINITY = 2**64 - 1
+"""systemd's ``USEC_INFINITY``: a ``…USec`` property that never expires."""
+STOP_TIMEOUT_RESULT = "timeout"
+"""The service ``Result`` of a stop that outlived ``TimeoutStopSec=``: systemd then sent
+``SIGKILL`` (``FinalKillSignal=``) to what was left of the unit."""
+
+
+STOP_MARGIN_S = 5.0
+"""How much longer than the unit's ``TimeoutStopSec=`` a stop job is awaited: systemd's
+own ``SIGKILL`` then ends it, and the forced stop is seen as such."""
+
+
+def stop_wait_s(state: UnitState | None, stop_s: float) -> float:
+    """How long to await ``state``'s stop job: ``stop_s``, or longer when the unit's own
+    ``TimeoutStopSec=`` (plus :data:`STOP_MARGIN_S`) is longer, so that a stop systemd
+    forces ends in its ``SIGKILL`` rather than in our deadline (a stop job ``timeout`` and
+    a rollback of a unit still going down)."""
+    if state is None or state.timeout_stop_s is None:
+        return stop_s
+    return max(stop_s, state.timeout_stop_s + STOP_MARGIN_S)
+
+
+def forced_stop_text(state: UnitState) -> str | None:
+    """How a stop ended by force, read after its job said ``done``; ``None`` for a clean one.
+
+    A stop job is ``done`` once the unit is down, however it got there: a process that
+    ignored ``SIGTERM`` (llama-server mid-generation) is ``SIGKILL``ed after
+    ``TimeoutStopSec=`` and the unit ends ``failed`` with ``Result=timeout``,
+    ``ExecMainCode=CLD_KILLED``, ``ExecMainStatus=9``. Either sign is a forced stop:
+    ``Result=timeout`` (something in the cgroup outlived the stop timeout) or a main
+    process killed by ``SIGKILL``.
+    """
+    killed = (
+        state.exec_main_code in (CLD_KILLED, CLD_DUMPED)
+        and state.exec_main_status == signal.SIGKILL
+    )
+    timed_out = state.result == STOP_TIMEOUT_RESULT
+    if not killed and not timed_out:
+        return None
+    how = "by SIGKILL" if killed else "by force (SIGKILL to what was left)"
+    when = " after the stop timeout" if timed_out else ""
+    return (
+        f"stopped {how}{when} (unit result {state.result or 'unknown'}): "
+        "in-flight work may have been cut"
+    )
 
 
 def outcome_text(outcome: JobOutcome) -> str:
@@ -187,6 +249,13 @@ def _merge(state: UnitState, props: Mapping[bytes, Any]) -> UnitState:
         changes["load_error"] = _load_error(props[b"LoadError"])
     if b"Result" in props:
         changes["result"] = _text(props[b"Result"])
+    if b"ExecMainCode" in props:
+        changes["exec_main_code"] = int(props[b"ExecMainCode"])
+    if b"ExecMainStatus" in props:
+        changes["exec_main_status"] = int(props[b"ExecMainStatus"])
+    if b"TimeoutStopUSec" in props:
+        usec = int(props[b"TimeoutStopUSec"])
+        changes["timeout_stop_s"] = None if usec >= USEC_INFINITY else usec / 1e6
     return replace(state, **changes)
 
 
@@ -284,6 +353,7 @@ class UnitManager:
                 exec_start=state.exec_start,
                 exec_paths=state.exec_paths,
                 load_error=state.load_error,
+                timeout_stop_s=state.timeout_stop_s,
             )
         )
         return state

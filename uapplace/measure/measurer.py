@@ -5,14 +5,28 @@ unit's cgroup PIDs:
 
 - ``resident_gpu_mib``: the GPU memory those PIDs hold (NVML compute apps, or
   the simulated GPU), on exactly one device, which becomes ``measured_on``;
-- ``host_rss_mib``: their resident set (psutil);
-- KV geometry where the engine reports it: ``context_pool_cells`` and ``kv``
-  from ``/metrics`` (``max_context``, the ``kv`` label), ``per_session_cap_cells``
-  from ``/slots`` (one slot's ``n_ctx``), ``kv_resident_cells`` = the pool (a
-  llama.cpp-like engine allocates its whole pool at start) unless the registry
-  already states it; ``expert_cache_mib`` / ``arena_mib`` when ``/metrics`` has
-  them (diagnostic only, never in the cost). Nothing is invented where the
-  engine reports nothing.
+- ``host_rss_mib``: their resident set, ``VmRSS`` summed over the engine's own PIDs
+  (psutil), taken once the engine has loaded and while it is idle. ``VmRSS``
+  counts the pages of a memory-mapped file that are resident: with llama.cpp's
+  default mmap loading the model file's pages count in the RSS once touched (they
+  are page cache shared with the file, which is why the host's free memory and the
+  process's memory disagree, up to ~100× on a small model). That is the footprint
+  recorded: what the engine keeps resident after load, weights included;
+- KV geometry where the engine reports it (:mod:`uapplace.measure.geometry`):
+  ``context_pool_cells`` and ``kv`` from ``/metrics`` (``max_context``, the ``kv``
+  label) where a Strata-like engine exports them; for llama.cpp, which exports no
+  setting there, ``per_session_cap_cells`` = ``/props``
+  ``default_generation_settings.n_ctx`` (per slot), the pool from it, ``/props``
+  ``total_slots`` and the unit's live ``ExecStart`` flags, ``kv`` from
+  ``--cache-type-k`` (default ``f16``) and ``kv_mib_per_1k_cells`` 0 (its pool is
+  fixed at start), so the config is placeable at any context a request names;
+  ``kv_resident_cells`` = the pool (allocated at start) unless the registry already
+  states it; ``expert_cache_mib`` / ``arena_mib`` when ``/metrics`` has them
+  (diagnostic only, never in the cost). Nothing is invented where the engine
+  reports nothing. ``/slots`` is asked only when ``/props`` has no per-slot
+  context, and never of a sleeping engine (it would wake it).
+
+The result names where each recorded figure came from (``sources``).
 
 Only the machine-local registry (``$UAP_HOME/model-registry.json``) is
 written: the config entry (keeping the registry's flags, unit and endpoint),
@@ -24,6 +38,9 @@ accounts for, graphics memory included, attributed to a PID or not.
 Refused, with the reason, and nothing written (docs/placement-rules.md §4.1.1):
 
 - the unit is not running, or not healthy yet;
+- the engine is asleep (``/props`` ``is_sleeping``: llama.cpp's
+  ``--sleep-idle-seconds``; vLLM's ``/is_sleeping``), before or while it is read:
+  asleep, it has given its memory back;
 - engine PID not found: the unit has no process, or none of its processes
   holds GPU memory;
 - ``resident_gpu_mib`` below the sanity floor (``floor_mib``, 64 MiB);
@@ -53,14 +70,17 @@ from uapplace.files.paths import Paths
 from uapplace.files.registry_write import write_local_device, write_local_measurement
 from uapplace.io import engines
 from uapplace.io.devices import process_rss_mib
-from uapplace.io.units import UnitError, UnitManager
+from uapplace.io.seams import UnitControl
+from uapplace.io.units import UnitError
 from uapplace.measure.envelope import ENVELOPE_BOUND_S, EnvelopeMeasurer
+from uapplace.measure.geometry import Geometry, kv_geometry, launch_flags
 from uapplace.measure.reading import (
     DEFAULT_FLOOR_MIB,
     EngineReader,
     EngineReading,
     MeasureHost,
     MeasurementRefused,
+    refuse_asleep,
 )
 
 MIB = 1024 * 1024
@@ -75,7 +95,7 @@ class Measurer:
         self,
         paths: Paths,
         host: MeasureHost,
-        units: UnitManager,
+        units: UnitControl,
         *,
         floor_mib: float = DEFAULT_FLOOR_MIB,
         http_s: float = engines.PROBE_TIMEOUT_S,
@@ -123,7 +143,7 @@ class Measurer:
         if seen.reading.kind is not DeviceKind.CPU:
             device = registry.devices.get(seen.device)
             reserve = await self._derived_reserve(registry, seen, device)
-        fields, now = await self._footprint(found, chosen, seen, endpoint)
+        fields, sources, now = await self._footprint(found, chosen, seen, endpoint)
         path = self.paths.local_registry
         await asyncio.to_thread(write_local_measurement, path, found.key, chosen.key, fields)
         shown: dict[str, Any] = {
@@ -142,6 +162,7 @@ class Measurer:
             "pids": list(seen.pids),
             "written": str(path),
             "measurement": fields,
+            "sources": sources,
             "device": shown,
         }
 
@@ -178,13 +199,24 @@ class Measurer:
 
     async def _footprint(
         self, found: Model, chosen: Config, seen: EngineReading, endpoint: str | None
-    ) -> tuple[dict[str, Any], float]:
-        """The config entry to write for ``seen``, and when it was read."""
-        geometry = await self._geometry(chosen, endpoint)
+    ) -> tuple[dict[str, Any], dict[str, str], float]:
+        """The config entry to write for ``seen``, where each figure came from, and when
+        it was read. The RSS is read before ``/props``, so an engine that fell asleep
+        meanwhile is caught (:meth:`_geometry`) rather than recorded small."""
         rss = await asyncio.to_thread(process_rss_mib, seen.pids)
+        geometry = await self._geometry(chosen, endpoint, seen.exec_start)
         host_free = await asyncio.to_thread(_host_free_mib)
         now = self._clock()
-        fields = _config_fields(chosen, geometry) | {
+        pids = ", ".join(map(str, seen.pids))
+        sources = geometry.sources | {
+            "host_rss_mib": f"VmRSS of PIDs {pids} (resident mmap'd model pages included)",
+            "resident_gpu_mib": (
+                "none: no GPU memory held (CPU-only engine)"
+                if seen.reading.kind is DeviceKind.CPU
+                else f"GPU memory of PIDs {pids} on {seen.device}"
+            ),
+        }
+        fields = _config_fields(chosen, geometry.fields) | {
             "resident_gpu_mib": round(seen.gpu_mib, 1),
             "host_rss_mib": round(rss, 1),
             "measured_at": iso(now),
@@ -195,7 +227,7 @@ class Measurer:
         fields["host_free_mib"] = round(host_free, 1)
         if found.engine_build is not None:
             fields["engine_build"] = found.engine_build
-        return fields, now
+        return fields, sources, now
 
     async def _check_foreign(self, registry: Registry, seen: EngineReading) -> None:
         """Refuse a reading that includes another backend's allocation."""
@@ -247,32 +279,28 @@ class Measurer:
             )
         return max(0, math.ceil(derived)), backends
 
-    async def _geometry(self, config: Config, endpoint: str | None) -> dict[str, Any]:
-        """KV geometry and diagnostics the engine reports; nothing it does not."""
-        out: dict[str, Any] = {}
+    async def _geometry(self, config: Config, endpoint: str | None, exec_start: str) -> Geometry:
+        """KV geometry and diagnostics the engine reports (:func:`kv_geometry`); nothing it
+        does not. ``/props`` first: a sleeping engine is refused, and ``/slots`` (which
+        would wake it) is asked only for a per-slot context ``/props`` lacks."""
         if endpoint is None:
-            return out
+            return Geometry()
+        http_s = self.reader.http_s
         try:
-            metrics = await engines.metrics(endpoint, timeout_s=self.reader.http_s)
+            metrics = await engines.metrics(endpoint, timeout_s=http_s)
         except engines.EngineError:
             metrics = {}
-        pool = _positive_int(metrics.get("max_context"))
-        if pool is not None:
-            out["context_pool_cells"] = pool
-            out["kv_resident_cells"] = config.kv_resident_cells or pool
-        kv = metrics.get("kv")
-        if isinstance(kv, str) and kv:
-            out["kv"] = kv
-        for name in ("expert_cache_mib", "arena_mib"):
-            value = metrics.get(name)
-            if isinstance(value, float) and value >= 0:
-                out[name] = value
-        slots = await engines.slots(endpoint, timeout_s=self.reader.http_s)
-        if slots:
-            per_slot = _positive_int(slots[0].get("n_ctx"))
-            if per_slot is not None:
-                out["per_session_cap_cells"] = per_slot
-        return out
+        try:
+            props: dict[str, Any] | None = await engines.props(endpoint, timeout_s=http_s)
+        except engines.EngineError:
+            props = None
+        if props is not None and engines.props_sleeping(props):
+            refuse_asleep(endpoint, engines.SleepState(True, "props"))
+        slot_list = None
+        settings = props.get(engines.N_CTX_SETTING) if props is not None else None
+        if not (isinstance(settings, dict) and settings.get("n_ctx")):
+            slot_list = await engines.slots(endpoint, timeout_s=http_s)
+        return kv_geometry(config, metrics, props, slot_list, launch_flags(exec_start))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -316,12 +344,6 @@ def _config_fields(config: Config, geometry: Mapping[str, Any]) -> dict[str, Any
         out["flags"] = list(config.flags)
     out.update(geometry)
     return out
-
-
-def _positive_int(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return int(value) if math.isfinite(value) and value >= 1 else None
 
 
 def _older_than(main_pid: int, pids: set[int]) -> list[int]:

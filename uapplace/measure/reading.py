@@ -8,6 +8,7 @@ from :meth:`EngineReader.read`, and both refuse with :class:`MeasurementRefused`
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,7 +25,9 @@ from uapplace.core.model import (
 )
 from uapplace.io import engines
 from uapplace.io.devices import gpu_usage_of
-from uapplace.io.units import UnitError, UnitManager
+from uapplace.io.router import child_pids, is_router_config, router_model_id
+from uapplace.io.seams import UnitControl
+from uapplace.io.units import UnitError
 
 DEFAULT_FLOOR_MIB = 64.0
 """Below this, a GPU reading is not a loaded model (a CUDA context alone is ~300 MiB)."""
@@ -54,6 +57,9 @@ class EngineReading:
     device: str
     gpu_mib: float
     reading: DeviceReading
+    exec_start: str = ""
+    """The unit's live ``ExecStart`` (``UnitState.exec_start``): the launch flags the
+    KV geometry of a llama.cpp is read from (:mod:`uapplace.measure.geometry`)."""
 
 
 class EngineReader:
@@ -62,7 +68,7 @@ class EngineReader:
     def __init__(
         self,
         host: MeasureHost,
-        units: UnitManager,
+        units: UnitControl,
         *,
         floor_mib: float = DEFAULT_FLOOR_MIB,
         http_s: float = engines.PROBE_TIMEOUT_S,
@@ -101,8 +107,9 @@ class EngineReader:
         self, registry: Registry, unit: str, endpoint: str | None, config: Config | None = None
     ) -> EngineReading:
         """The unit's PIDs and the one device their memory is on; refused when the unit is
-        not running and healthy, holds nothing, spreads over devices or is below the floor.
-        An engine that holds no GPU memory is read on the host (:func:`_host_for_cpu_engine`)."""
+        not running and healthy, asleep (:func:`refuse_asleep`), holds nothing, spreads
+        over devices or is below the floor. An engine that holds no GPU memory is read on
+        the host (:func:`_host_for_cpu_engine`)."""
         try:
             state = await self.units.state(unit)
             pids = tuple(sorted(await self.units.pids(unit)))
@@ -117,8 +124,22 @@ class EngineReader:
             raise MeasurementRefused(
                 f"{endpoint}/health is not 200: measure once the engine has loaded"
             )
+        if endpoint is not None:
+            refuse_asleep(endpoint, await engines.sleep_state(endpoint, self.http_s))
         if not pids:
             raise MeasurementRefused(f"engine PID not found: {unit} has no process")
+        main_pid = state.main_pid
+        routed = _router_model_id(registry, config)
+        if routed is not None:
+            # One model of a llama.cpp router: its child alone, never the router's own
+            # process nor a sibling's (docs/placement-rules.md §4.2, "What paused is").
+            pids = tuple(await asyncio.to_thread(child_pids, pids, routed))
+            if not pids:
+                raise MeasurementRefused(
+                    f"{routed} is not loaded in the router {unit}: no process of the unit "
+                    f"carries --alias {routed}; load it (POST /models/load), then measure"
+                )
+            main_pid = pids[0]
         readings = await self.host.read_devices()
         usage = gpu_usage_of({k: r for k, r in readings.items() if r.kind is DeviceKind.GPU}, pids)
         if not usage:
@@ -128,7 +149,7 @@ class EngineReader:
                     f"engine PID not found: none of {unit}'s processes "
                     f"({', '.join(map(str, pids))}) holds memory on a GPU{why}"
                 )
-            return EngineReading(unit, state.main_pid, pids, host, 0.0, readings[host])
+            return EngineReading(unit, main_pid, pids, host, 0.0, readings[host], state.exec_start)
         if len(usage) > 1:
             spread = ", ".join(f"{k} {v:,.0f} MiB" for k, v in usage.items())
             raise MeasurementRefused(
@@ -141,7 +162,34 @@ class EngineReader:
                 f"of {self.floor_mib:g} MiB: the model is not loaded (or the driver does "
                 "not report per-process memory)"
             )
-        return EngineReading(unit, state.main_pid, pids, device, gpu_mib, readings[device])
+        return EngineReading(
+            unit, main_pid, pids, device, gpu_mib, readings[device], state.exec_start
+        )
+
+
+def refuse_asleep(endpoint: str, state: engines.SleepState | None) -> None:
+    """Refuse to measure a sleeping engine: it has given its memory back, so what its PIDs
+    hold now is not its footprint. Asked through ``/props`` first, which (unlike
+    ``/slots``) does not wake a llama.cpp (:func:`uapplace.io.engines.sleep_state`)."""
+    if state is None or not state.asleep:
+        return
+    if state.source == "props":
+        raise MeasurementRefused(
+            f"{endpoint}: engine is asleep (llama.cpp --sleep-idle-seconds): send it a "
+            "request first, then measure while it is awake"
+        )
+    raise MeasurementRefused(
+        f"{endpoint}: engine is asleep (vLLM POST /sleep): wake it first (POST /wake_up), "
+        "then measure"
+    )
+
+
+def _router_model_id(registry: Registry, config: Config | None) -> str | None:
+    """The router model id of ``config`` when it is one model of a llama.cpp router."""
+    if not is_router_config(config):
+        return None
+    owner = next((m for m in registry.models.values() if config in m.configs.values()), None)
+    return router_model_id(owner) if owner is not None else None
 
 
 def _host_for_cpu_engine(

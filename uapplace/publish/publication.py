@@ -8,6 +8,11 @@ for a unit that came up (by hand, at start-up, or restarted) and
 restored. It checks with :func:`uapplace.publish.verify.check` (health, served id,
 ``metricsMustMatch``) until it passes, raising a ``wrong_model`` alert for an
 engine that serves something else and re-checking it with a growing pause.
+
+:class:`SleepWatch` keeps what is published about a ``hot`` resident true while it
+serves: an engine that sleeps on its own (llama.cpp ``--sleep-idle-seconds``) is shown
+``asleep`` (docs/placement-rules.md §4.2, "Asleep is not paused"). Both publishers run
+one.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from uapplace.core.model import (
     ResidentState,
     resident_key,
 )
+from uapplace.core.victims import config_of, model_of
 from uapplace.files.capacity import ServicePolicy
-from uapplace.io import engines
+from uapplace.io import engines, router
 from uapplace.publish import verify
 
 log = logging.getLogger(__name__)
@@ -208,3 +214,108 @@ class LedgerPublication:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+
+
+# --------------------------------------------------------------------------- asleep
+
+SLEEP_CHECK_S = 5.0
+"""How often each ``hot`` resident's engine is asked whether it sleeps."""
+
+AsleepProbe = Callable[[Registry, Resident, float], Awaitable[bool | None]]
+"""``(registry, resident, http_s)`` → asleep, awake, or ``None`` (it cannot say)."""
+
+
+async def engine_asleep(registry: Registry, resident: Resident, http_s: float) -> bool | None:
+    """Whether ``resident``'s engine sleeps on its own now, asked without waking it:
+    llama.cpp's ``GET /props`` ``is_sleeping``, or for a router model its status
+    ``sleeping`` in the router's ``GET /models``. Never ``GET /slots``, which is a task
+    to llama-server and wakes it. ``None`` when nothing says (no endpoint, no such
+    route, no answer, another engine)."""
+    if resident.endpoint is None:
+        return None
+    model = model_of(registry, resident)
+    config = config_of(registry, resident)
+    try:
+        if model is not None and router.is_router_config(config):
+            listed = await router.HTTP_ROUTER.models(resident.endpoint, http_s)
+            found = router.find(listed, router.router_model_id(model))
+            return None if found is None else found.status == router.SLEEPING
+        return engines.props_sleeping(await engines.props(resident.endpoint, http_s))
+    except engines.EngineError:
+        return None
+
+
+class SleepWatch:
+    """Shows a ``hot`` resident ``asleep`` while its engine sleeps on its own.
+
+    Every ``every_s`` each ``hot`` resident's engine is asked (:func:`engine_asleep`,
+    which never wakes it), and a resident whose answer differs from what is published is
+    published again with ``asleep`` set or cleared; an engine that cannot say leaves it
+    as it is. A resident that is not ``hot`` is not asked, and a stale ``asleep`` on one
+    is cleared. Only the flag changes: asleep is not a state (docs/placement-rules.md
+    §4.2), the resident stays ``hot`` and admission keeps forwarding to it, since
+    llama.cpp wakes on the next request; the planner keeps counting its measured
+    footprint (§4.4).
+    """
+
+    def __init__(
+        self,
+        host: ResidentSink,
+        *,
+        every_s: float = SLEEP_CHECK_S,
+        http_s: float = engines.PROBE_TIMEOUT_S,
+        probe: AsleepProbe = engine_asleep,
+        publish: Callable[[Resident], None] | None = None,
+    ) -> None:
+        self.host = host
+        self.every_s = every_s
+        self.http_s = http_s
+        self._probe = probe
+        self._publish = publish or host.put_resident
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="sleep-watch")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            try:
+                await self.check_once()
+            except Exception:  # one bad round must not end the watch
+                log.exception("checking whether the engines sleep failed")
+
+    async def check_once(self) -> list[Resident]:
+        """Ask every ``hot`` resident's engine once; the residents published anew."""
+        registry = self.host.registry()
+        asked = [r for r in self.host.residents() if r.state is ResidentState.HOT]
+        answers = await asyncio.gather(*(self._probe(registry, r, self.http_s) for r in asked))
+        said = {resident_key(r): a for r, a in zip(asked, answers, strict=True)}
+        changed: list[Resident] = []
+        for current in list(self.host.residents()):  # as they are now, after the awaits
+            if current.state is not ResidentState.HOT:
+                asleep: bool | None = False  # a flag only a serving resident carries
+            else:
+                asleep = said.get(resident_key(current))
+            if asleep is None or asleep == current.asleep:
+                continue
+            updated = replace(current, asleep=asleep)
+            log.info(
+                "%s on %s: its engine %s",
+                current.signature,
+                current.device,
+                "sleeps (shown asleep; still hot, it wakes on the next request)"
+                if asleep
+                else "is awake",
+            )
+            self._publish(updated)
+            changed.append(updated)
+        return changed

@@ -48,6 +48,14 @@ that unit (several: the first measured one, in registry order). Its device: the
 config's ``measured_on``, else the model's first affinity device, else the
 first GPU in the registry.
 
+A llama.cpp router's unit (every config under it ``pause_lever: llamacpp-router``)
+hosts several models, each loaded or not inside it (docs/placement-rules.md §4.2,
+"What paused is"): its unit being active says nothing about any one model. So no
+resident is invented for it (a model of it becomes resident when a run loads or wakes
+it), and each resident it has is followed on its own (:meth:`UnitSync._follow_router`):
+``paused`` and ``hot`` stay, ``warming`` is verified (the router's ``GET /models`` must
+say it is loaded), and all of them go when the unit goes down.
+
 :class:`~uapplace.publish.publication.LedgerPublication` is the same verification for a
 daemon without a systemd user manager (no unit sync): restored residents are
 verified over HTTP alone and published ``hot`` when the check passes; nothing
@@ -378,6 +386,8 @@ class UnitSync:
             # check) publishes the resident.
             self._stop_watching(unit)
             return
+        if self._follow_router(unit, state):
+            return
         resident = self._resident_for(unit, state)
         if resident is None:
             return
@@ -394,6 +404,24 @@ class UnitSync:
         resident = replace(resident, state=ResidentState.WARMING)
         self._publish(resident)
         self._watch_publication(unit, resident)
+
+    def _follow_router(self, unit: str, state: UnitState) -> bool:
+        """A router's unit (module doc); ``False`` for any other unit."""
+        candidates = registry_units(self.host.registry()).get(unit, [])
+        if not candidates or not all(config.is_router_model for _, config in candidates):
+            return False
+        for known in self._residents_of(unit):
+            resident = _with_pid(known, state)
+            if resident.state is ResidentState.PAUSED or (
+                resident.state is ResidentState.HOT and state.active_state in RUNNING_STATES
+            ):
+                self._publish(resident)
+                continue
+            resident = replace(resident, state=ResidentState.WARMING)
+            self._publish(resident)
+            if state.active_state in RUNNING_STATES:
+                self._watch_publication(unit, resident, f"{unit}#{resident.signature}")
+        return True
 
     def _publish(self, resident: Resident) -> None:
         self.host.put_resident(self.marks.overlay(resident))
@@ -453,13 +481,16 @@ class UnitSync:
 
     # ------------------------------------------------------------------ verification
 
-    def _watch_publication(self, unit: str, resident: Resident) -> None:
-        current = self._watchers.get(unit)
+    def _watch_publication(self, unit: str, resident: Resident, key: str = "") -> None:
+        """Verify ``resident`` until it passes; one watcher per ``key`` (the unit, or a
+        router model's ``unit#model/config``)."""
+        key = key or unit
+        current = self._watchers.get(key)
         if current is not None and not current.done():
             return
-        task = asyncio.create_task(self._until_verified(unit, resident), name=f"verify-{unit}")
-        self._watchers[unit] = task
-        task.add_done_callback(lambda done: self._forget(unit, done))
+        task = asyncio.create_task(self._until_verified(unit, resident), name=f"verify-{key}")
+        self._watchers[key] = task
+        task.add_done_callback(lambda done: self._forget(key, done))
 
     def _forget(self, unit: str, task: asyncio.Task[None]) -> None:
         if self._watchers.get(unit) is task:

@@ -9,7 +9,18 @@ forwards to) only after this check passed for it in this daemon's life:
 3. ``GET /v1/models`` lists the requested id, the model's key, its config's key
    or an id the model advertises (:func:`expectation`);
 4. the capacity policy's ``metricsMustMatch`` for the model's service holds
-   against ``GET /metrics``.
+   against the engine's facts: ``GET /metrics`` (parsed by
+   :func:`uapplace.io.engines.parse_prometheus`), and for a key ``/metrics`` lacks,
+   ``GET /props`` (:func:`uapplace.io.engines.props_facts`: llama.cpp keeps its
+   settings there, ``n_ctx``, ``total_slots``, ``build_info``, ``model_alias`` …).
+   One extra ``GET``, only when needed; never ``/slots``, which wakes a sleeping
+   llama.cpp. README.md ("Model registry") lists which facts are checkable where;
+5. for one model of a llama.cpp router (``pause_lever: llamacpp-router``): the
+   router's ``GET /models`` says that model is ``loaded`` (or idle-``sleeping``, which
+   wakes on the next request). A router lists every model it knows, loaded or not, and
+   its ``/health`` is always 200, so 2 and 3 alone prove nothing there
+   (docs/placement-rules.md §4.2, "What paused is"); its ``/metrics`` is read with
+   ``?model=ID&autoload=false``, and so is its ``/props`` (:mod:`uapplace.io.router`).
 
 Enforcement (:mod:`uapplace.enforce.steps`: ``verify-up``; :mod:`uapplace.enforce.rollback`:
 ``rollback-verify``) and the unit sync (:mod:`uapplace.publish.unitsync`: units found
@@ -31,13 +42,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from uapplace.core.model import Config, Model
 from uapplace.files.capacity import ServicePolicy
-from uapplace.io import engines
+from uapplace.io import engines, router
+from uapplace.io.router import HTTP_ROUTER, RouterProbe
 from uapplace.io.seams import HTTP_ENGINES, EngineProbe
 from uapplace.io.units import DOWN_STATES, UnitState, state_text
 
@@ -58,6 +71,9 @@ class Expectation:
     can_sleep: bool = False
     """The config declares an executable pause lever (issue 12): a sleeping vLLM still
     answers ``/health`` 200 and lists its id, so ``/is_sleeping`` must say false too."""
+    router_id: str | None = None
+    """The id of a llama.cpp router model (:func:`uapplace.io.router.router_model_id`):
+    the router's ``GET /models`` must say it is loaded."""
 
 
 def expectation(
@@ -76,7 +92,8 @@ def expectation(
     if config is not None:
         accepted.add(config.key)
     can_sleep = config is not None and config.sleep_level is not None
-    return Expectation(asked, model.key, frozenset(accepted), policy, can_sleep)
+    router_id = router.router_model_id(model) if router.is_router_config(config) else None
+    return Expectation(asked, model.key, frozenset(accepted), policy, can_sleep, router_id)
 
 
 class Outcome(StrEnum):
@@ -131,23 +148,95 @@ async def _served(
 
 
 async def metrics_problem(
-    policy: ServicePolicy, endpoint: str, http_s: float, probe: EngineProbe = HTTP_ENGINES
+    policy: ServicePolicy,
+    endpoint: str,
+    http_s: float,
+    probe: EngineProbe = HTTP_ENGINES,
+    routed: tuple[RouterProbe, str] | None = None,
 ) -> str | None:
-    """The capacity policy's ``metricsMustMatch`` against the engine's ``/metrics``."""
+    """The capacity policy's ``metricsMustMatch`` against what the engine serves
+    (:func:`served_facts`; ``routed``: a router and the model id whose child's routes
+    count). Each mismatch names the key, the value served and where it came from, and
+    what the policy wants."""
     if not policy.metrics_must_match:
         return None
-    try:
-        seen = await probe.metrics(endpoint, http_s)
-    except engines.EngineError as err:
-        return f"metricsMustMatch of service {policy.name}: {err}"
+    served = await served_facts(policy.metrics_must_match, endpoint, http_s, probe, routed)
     wrong = [
-        f"{key} is {seen.get(key, 'missing')!r}, policy wants {want!r}"
+        _mismatch(key, want, served)
         for key, want in policy.metrics_must_match.items()
-        if not metric_matches(want, seen.get(key))
+        if not metric_matches(want, served.values.get(key))
     ]
     if wrong:
         return f"metricsMustMatch of service {policy.name}: {'; '.join(wrong)}"
     return None
+
+
+@dataclass(frozen=True)
+class ServedFacts:
+    """What the engine serves for the keys asked: each value with where it came from."""
+
+    values: dict[str, float | str]
+    sources: dict[str, str]
+    """Key → ``/metrics`` or ``/props <path>``."""
+    errors: tuple[str, ...] = ()
+    """Why a route asked gave nothing (``GET …: HTTP 501: …``), for a missing key."""
+
+
+async def served_facts(
+    keys: Iterable[str],
+    endpoint: str,
+    http_s: float,
+    probe: EngineProbe = HTTP_ENGINES,
+    routed: tuple[RouterProbe, str] | None = None,
+) -> ServedFacts:
+    """``keys`` as the engine serves them: ``/metrics`` first, ``/props`` for the rest
+    (through a router: its child's, ``?model=ID&autoload=false``).
+
+    ``/props`` is asked only when a key is not in ``/metrics`` (or ``/metrics`` gave no
+    usable answer: llama-server without ``--metrics`` answers 501, yet its ``n_ctx`` is
+    in ``/props``). Never raises for an engine that does not answer: the errors are
+    kept for the message of a key that stays missing.
+    """
+    wanted = list(keys)
+    values: dict[str, float | str] = {}
+    sources: dict[str, str] = {}
+    errors: list[str] = []
+    try:
+        if routed is not None:
+            metrics = await routed[0].metrics(endpoint, routed[1], http_s)
+        else:
+            metrics = await probe.metrics(endpoint, http_s)
+    except engines.EngineError as err:
+        metrics, errors = {}, [str(err)]
+    for key in wanted:
+        if key in metrics:
+            values[key], sources[key] = metrics[key], "/metrics"
+    if all(key in values for key in wanted):
+        return ServedFacts(values, sources, tuple(errors))
+    route = engines.PROPS_ROUTE
+    if routed is not None:
+        route += f"?{router.model_query(routed[1])}"
+    status, text = await probe.get_reply(endpoint, route, http_s)
+    try:
+        body: dict[str, Any] = engines.props_body(
+            f"{engines.engine_root(endpoint)}{route}", status, text
+        )
+    except engines.EngineError as err:
+        return ServedFacts(values, sources, (*errors, str(err)))
+    facts = engines.props_facts(body)
+    for key in wanted:
+        if key not in values and key in facts:
+            values[key], sources[key] = facts[key], engines.props_fact_source(key, body)
+    return ServedFacts(values, sources, tuple(errors))
+
+
+def _mismatch(key: str, want: str | int | float, served: ServedFacts) -> str:
+    if key not in served.values:
+        why = f": {'; '.join(served.errors)}" if served.errors else ""
+        return f"{key} is missing, policy wants {want!r} (in neither /metrics nor /props{why})"
+    value = served.values[key]
+    shown = int(value) if isinstance(value, float) and value.is_integer() else value
+    return f"{key} is {shown!r}, policy wants {want!r} (from {served.sources[key]})"
 
 
 def metric_matches(want: str | int | float, seen: str | float | None) -> bool:
@@ -158,10 +247,28 @@ def metric_matches(want: str | int | float, seen: str | float | None) -> bool:
     return str(want).strip().lower() == str(seen).strip().lower()
 
 
+async def router_problem(
+    endpoint: str, model_id: str, http_s: float, routers: RouterProbe = HTTP_ROUTER
+) -> str | None:
+    """A router model's check (module doc, 5): ``None`` when the router says it serves."""
+    try:
+        seen = await router.status_of(routers, endpoint, model_id, http_s)
+    except engines.EngineError as err:
+        return str(err)
+    if seen.serving:
+        return None
+    return f"the router at {endpoint} says {seen.text()}: not loaded, so not serving"
+
+
 async def check(
-    endpoint: str, expect: Expectation, http_s: float, probe: EngineProbe = HTTP_ENGINES
+    endpoint: str,
+    expect: Expectation,
+    http_s: float,
+    probe: EngineProbe = HTTP_ENGINES,
+    routers: RouterProbe = HTTP_ROUTER,
 ) -> Verdict:
-    """One full look at a running engine: health, served id, metrics (in that order)."""
+    """One full look at a running engine: health, served id, metrics (in that order);
+    for a router model, its status in the router between the last two."""
     if not await probe.health(endpoint, http_s):
         return Verdict(Outcome.UNHEALTHY, f"{endpoint}/health is not 200 yet")
     problem, served = await _served(endpoint, expect, http_s, probe)
@@ -176,12 +283,18 @@ async def check(
             why = (
                 "is asleep (paused): only a wake publishes it"
                 if asleep
-                else "cannot say whether it is asleep (/is_sleeping unanswered)"
+                else "cannot say whether it is asleep (neither /props nor /is_sleeping says)"
             )
             return Verdict(Outcome.UNHEALTHY, f"{endpoint} {why}", served)
+    routed = None
+    if expect.router_id is not None:
+        problem = await router_problem(endpoint, expect.router_id, http_s, routers)
+        if problem is not None:
+            return Verdict(Outcome.UNHEALTHY, problem, served)
+        routed = (routers, expect.router_id)
     checked = ""
     if expect.policy is not None and expect.policy.metrics_must_match:
-        problem = await metrics_problem(expect.policy, endpoint, http_s, probe)
+        problem = await metrics_problem(expect.policy, endpoint, http_s, probe, routed)
         if problem is not None:
             return Verdict(Outcome.METRICS, problem, served)
         checked = f"; metricsMustMatch {', '.join(expect.policy.metrics_must_match)} as policy"
@@ -206,6 +319,7 @@ class UnitWatch:
     max_poll_s: float
     http_s: float
     probe: EngineProbe = HTTP_ENGINES
+    routers: RouterProbe = HTTP_ROUTER
 
 
 async def wait_up(unit: str, endpoint: str | None, limit: float, watch: UnitWatch) -> str | None:
@@ -244,7 +358,7 @@ async def verify_up(
         return Verdict(Outcome.UNHEALTHY, why)
     if endpoint is None:
         return Verdict(Outcome.OK, f"{unit} active; no endpoint in the registry to probe")
-    verdict = await check(endpoint, expect, watch.http_s, watch.probe)
+    verdict = await check(endpoint, expect, watch.http_s, watch.probe, watch.routers)
     if verdict.ok:
         return Verdict(Outcome.OK, f"{unit} active, {verdict.detail}", verdict.served)
     return verdict

@@ -69,7 +69,7 @@ def make_middleware(shim: Shim) -> Any:
         except Exception:  # one bad request must never take the shim down
             log.exception("unexpected error answering %s %s", request.method, request.path)
             response = error_response(500, "internal error in uapplace-shim (see its log)")
-        shim.metrics.responses.inc(route_label(request), str(response.status))
+        shim.metrics.responses.labels(route_label(request), str(response.status)).inc()
         return response
 
     return answer

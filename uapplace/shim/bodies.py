@@ -191,9 +191,17 @@ def parse_model_query(text: str | None) -> str:
 
 
 def parse_cells_query(text: str | None) -> int:
+    """Preview's ``cells``: 1 to 2**32 − 1; a 5,000-digit number is a 400 like any other
+    out-of-range value (it is never handed to ``int``)."""
     if text is None or text == "":
         return DEFAULT_CELLS
-    if not text.isascii() or not text.isdigit() or int(text) < 1 or int(text) > U32_MAX:
+    digits = len(str(U32_MAX))
+    if (
+        not text.isascii()
+        or not text.isdigit()
+        or len(text) > digits
+        or not 1 <= int(text) <= U32_MAX
+    ):
         raise HttpError(
             400, f"query parameter cells must be an integer from 1 to {U32_MAX}, got {shown(text)}"
         )
@@ -247,6 +255,8 @@ async def read_json_object(request: web.Request, limit_s: float) -> dict[str, An
         raise HttpError(400, f"request body is not valid JSON: {err}") from None
     except RecursionError:
         raise HttpError(400, "request body is not valid JSON: nested too deeply") from None
+    except ValueError as err:  # an integer past Python's 4,300-digit limit
+        raise HttpError(400, f"request body is not valid JSON: {shown(str(err), 80)}") from None
     if not isinstance(value, dict):
         raise HttpError(400, f"request body must be a JSON object, got {type(value).__name__}")
     return value

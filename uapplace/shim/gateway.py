@@ -204,6 +204,6 @@ class BusGateway:
                 raise DaemonUnavailable(f"{method}: bus connection lost ({err})") from None
             raise HttpError(502, f"bus call {method} failed: {type(err).__name__}: {err}") from None
         finally:
-            self.metrics.bus_seconds.observe(time.perf_counter() - started, method)
+            self.metrics.bus_seconds.labels(method).observe(time.perf_counter() - started)
             if outcome != "ok":
-                self.metrics.bus_errors.inc(method, outcome)
+                self.metrics.bus_errors.labels(method, outcome).inc()

@@ -164,7 +164,7 @@ class Shim:
             }
         else:
             raise HttpError(502, f"the daemon answered an unknown decision {shown(str(decision))}")
-        self.metrics.admits.inc(body["decision"], body.get("reason", ""))
+        self.metrics.admits.labels(body["decision"], body.get("reason", "")).inc()
         return json_response(body)
 
     # ------------------------------------------------------------- reads
@@ -259,8 +259,8 @@ class Shim:
             raise
         finally:
             elapsed = time.perf_counter() - started
-            self.metrics.enforcements.inc(verb, outcome)
-            self.metrics.enforcement_seconds.observe(elapsed, verb, outcome)
+            self.metrics.enforcements.labels(verb, outcome).inc()
+            self.metrics.enforcement_seconds.labels(verb, outcome).observe(elapsed)
 
     async def dismiss(self, request: web.Request) -> web.Response:
         body = await self.operator_body(request, DismissBody)
@@ -291,8 +291,8 @@ class Shim:
             state = parsed if isinstance(parsed, dict) else None
         except (DaemonUnavailable, PlacementError, HttpError, ValueError):
             state = None
-        text = self.metrics.render(state)
-        return web.Response(text=text, headers={"Content-Type": METRICS_CONTENT_TYPE}, charset=None)
+        body = self.metrics.exposition(state)
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return json_response(openapi_document(ROUTES, OPERATOR_BODIES))

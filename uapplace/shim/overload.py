@@ -18,7 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
+from uapplace.shim.peers import UserGate
 from uapplace.shim.responses import encode_json
 
 log = logging.getLogger(__name__)
@@ -53,20 +55,59 @@ class _Refusal(asyncio.Protocol):
 
 
 class RateLimitedWarning:
-    """One warning per :data:`OVERLOAD_LOG_EVERY_S` for a condition that repeats, with a count."""
+    """One line per ``every_s`` (:data:`OVERLOAD_LOG_EVERY_S`) for a condition that repeats,
+    with a count; a warning unless another ``level`` is given."""
 
-    def __init__(self) -> None:
-        self.logged_at = -OVERLOAD_LOG_EVERY_S
+    def __init__(
+        self,
+        every_s: float = OVERLOAD_LOG_EVERY_S,
+        level: int = logging.WARNING,
+        logger: logging.Logger = log,
+    ) -> None:
+        self.every_s = every_s
+        self.level = level
+        self.logger = logger
+        self.logged_at = -every_s
         self.unreported = 0
 
     def __call__(self, message: str, *args: object) -> None:
         self.unreported += 1
         now = time.monotonic()
-        if now - self.logged_at < OVERLOAD_LOG_EVERY_S:
+        if now - self.logged_at < self.every_s:
             return
-        log.warning(message + " (%d time(s) since the last report)", *args, self.unreported)
+        self.logger.log(
+            self.level, message + " (%d time(s) since the last report)", *args, self.unreported
+        )
         self.logged_at = now
         self.unreported = 0
+
+
+class QuietBadRequests(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server logger, minus the traceback for a client's malformed request.
+
+    aiohttp logs every request it cannot parse (a bad request line, header or chunk)
+    with ``logger.exception`` and a full traceback. That is the client's mistake, not
+    ours: one line (``bad HTTP request from …: 400, …``) at INFO, at most one per
+    second with a count. Any other exception keeps its traceback."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 1.0) -> None:
+        super().__init__(logger, {})
+        self.bad_requests = RateLimitedWarning(every_s, logging.INFO, logger)
+
+    def exception(self, msg: object, *args: object, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            remote = args[0] if args else "?"
+            self.bad_requests("bad HTTP request from %s: %s", remote, one_line(str(exc)))
+            return
+        self.logger.exception(msg, *args, **kwargs)
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """A parser's multi-line message as one line, control characters escaped, cut."""
+    flat = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    shown = flat.encode("ascii", "backslashreplace").decode("ascii")
+    return shown if len(shown) <= limit else shown[:limit] + "…"
 
 
 class ConnectionCap:
@@ -79,9 +120,11 @@ class ConnectionCap:
     limit, so ``accept()`` itself does not run out of descriptors.
     """
 
-    def __init__(self, server: web.Server, limit: int) -> None:
+    def __init__(self, server: web.Server, limit: int, gate: UserGate | None = None) -> None:
         self.server = server
         self.limit = limit
+        self.gate = gate
+        """Serves the shim's own user only (:mod:`uapplace.shim.peers`); ``None``: anyone."""
         self.refused = 0
         self._warn = RateLimitedWarning()
 
@@ -91,6 +134,8 @@ class ConnectionCap:
             self.refused += 1
             self._warn("%d connections open: new ones are answered 503", self.limit)
             return _Refusal()
+        if self.gate is not None:
+            return self.gate.protocol(self.server)
         return self.server()
 
 

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -28,11 +29,13 @@ from uapplace.shim.app import create_app
 from uapplace.shim.overload import (
     ConnectionCap,
     GuardedSite,
+    QuietBadRequests,
     RateLimitedWarning,
     connection_cap,
     quiet_accept_errors,
     raise_fd_limit,
 )
+from uapplace.shim.peers import UserGate
 from uapplace.shim.settings import (
     ADMIT_DEADLINE_S,
     BODY_TIMEOUT_S,
@@ -83,6 +86,8 @@ async def serve(settings: ShimSettings, hosts: Sequence[str], port: int) -> None
         app,
         access_log=None,
         handle_signals=False,
+        # A client's malformed request is one line, not a traceback (docs/http-contract.md §5).
+        logger=QuietBadRequests(logging.getLogger("aiohttp.server")),
         # aiohttp's keep-alive timer runs from the connection's start (and from each
         # response) until a complete request head arrives, and closes an idle one:
         # it is the header read timeout, so a slow-headers client is cut.
@@ -95,7 +100,12 @@ async def serve(settings: ShimSettings, hosts: Sequence[str], port: int) -> None
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     assert runner.server is not None
-    cap = ConnectionCap(runner.server, connection_cap(settings.max_connections))
+    refusals = RateLimitedWarning()
+    gate = UserGate(
+        settings.allowed_uids,
+        on_refusal=lambda why: refusals("refused a connection: %s", why),
+    )
+    cap = ConnectionCap(runner.server, connection_cap(settings.max_connections), gate)
     try:
         for sock in bind_sockets(hosts, port):
             await GuardedSite(runner, sock, cap).start()
@@ -144,6 +154,15 @@ def build_parser(paths: Paths) -> argparse.ArgumentParser:
         f"keep-alive (default {HEADER_TIMEOUT_S:g})",
     )
     parser.add_argument(
+        "--allow-uid",
+        type=int,
+        action="append",
+        default=[],
+        metavar="UID",
+        help="also serve connections from this uid (repeatable); by default only the shim's "
+        "own user is served, every other local user gets 403",
+    )
+    parser.add_argument(
         "--body-timeout",
         type=float,
         default=BODY_TIMEOUT_S,
@@ -167,6 +186,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.exit(2, f"uapplace-shim: --port {args.port} is not a TCP port (0-65535)\n")
     if not 0 < args.admit_timeout < 2.0:
         parser.exit(2, "uapplace-shim: --admit-timeout must be above 0 and below the proxy's 2 s\n")
+    for uid in args.allow_uid:
+        if not 0 <= uid < 2**32 - 1:
+            parser.exit(2, f"uapplace-shim: --allow-uid {uid} is not a uid\n")
     if args.max_connections < 1:
         parser.exit(2, f"uapplace-shim: --max-connections {args.max_connections} is not >= 1\n")
     for name in ("header_timeout", "body_timeout"):
@@ -186,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
         max_connections=args.max_connections,
+        allowed_uids=frozenset({os.geteuid(), *args.allow_uid}),
     )
     raise_fd_limit()
     try:

@@ -9,6 +9,7 @@ hold.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,11 @@ BODY_TIMEOUT_S = 10.0
 """The most reading one request body may take (a 10 KiB body is milliseconds on loopback)."""
 MAX_CONNECTIONS = 512
 """Open HTTP connections served at once; more are answered 503 and closed at once."""
+SSE_QUEUE_EVENTS = 256
+"""Events one SSE subscriber may have waiting; past that it is a slow reader and is
+dropped, with a final event saying why (docs/http-contract.md §5, "Events")."""
+SSE_WRITE_TIMEOUT_S = 10.0
+"""The most one SSE write may wait for the client to read; past that it is dropped."""
 
 
 @dataclass
@@ -40,3 +46,7 @@ class ShimSettings:
     header_timeout: float = HEADER_TIMEOUT_S
     body_timeout: float = BODY_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
+    allowed_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.geteuid()}))
+    """Who may connect (docs/http-contract.md §5): the shim's own user, and ``--allow-uid``."""
+    sse_queue: int = SSE_QUEUE_EVENTS
+    sse_write_timeout: float = SSE_WRITE_TIMEOUT_S

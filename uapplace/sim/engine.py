@@ -1,38 +1,61 @@
 """A fake llama.cpp-like engine for tests and ``uapplace demo``.
 
-docs/architecture.md ("Simulated GPU and fake engine").
+docs/architecture.md ("Simulated GPU and fake engine"). Where it and the real
+``llama-server`` answer a probe differently, the real one is right: the engine-contract
+suite (``tests/engines/test_contract.py``) runs the same checks against both.
 
 ::
 
     python -m uapplace.sim.engine --port P --model-id ID [--advertise ID2 ...]
         [--gpu-uuid U --mib N] [--host-mib N] [--load-secs S]
-        [--kv int8 --max-context 131072 --parallel 1] [--no-slots]
+        [-c N] [--parallel N] [--kv int8] [--max-context 131072] [--no-slots]
+        [--token-secs S] [--sleep-idle-seconds S]
         [--fail-route slots|props|metrics ...]
         [--fail-at-start] [--never-healthy] [--wrong-id]
         [--orphan --orphan-pidfile PATH [--orphan-lifetime 120]]
         [--sleep-mode [--sleep-delay S] [--wake-delay S] [--offload-mib N] [--fail-wake]]
 
-HTTP, like ``llama-server``: while loading, ``/health`` answers 503
-``{"status": "loading model"}`` and every other route 503 too; then ``/health``
-is 200 ``{"status": "ok"}``.
+HTTP, like ``llama-server`` (as if started with ``--metrics``): while loading, every
+route, ``/health`` included, answers 503
+``{"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}``;
+then ``/health`` is 200 ``{"status": "ok"}``.
 
-- ``GET /v1/models``: OpenAI list; ids ``--model-id`` then each ``--advertise``
-  (with ``--wrong-id``: only ``wrong-<model-id>``).
-- ``GET /slots``: one object per slot (``--parallel N``, llama.cpp's ``-np``;
-  ``--slots N`` is the same flag): ``id``, ``id_task``, ``n_ctx`` (the pool
-  divided by the slots, as llama.cpp splits it), ``is_processing``, ``params``.
-  With ``--no-slots`` it answers 501 ``not_supported_error`` as llama-server
-  does when started with ``--no-slots``.
-- ``GET /props``: ``default_generation_settings.n_ctx``, ``total_slots``, ``model_path``.
-- ``GET /metrics``: Prometheus text. ``llamacpp:prompt_tokens_total``,
-  ``llamacpp:tokens_predicted_total`` (counters), ``llamacpp:requests_processing``,
-  ``llamacpp:requests_deferred``, ``llamacpp:max_context`` (the context pool in
-  cells), ``llamacpp:slots`` (gauges), and the info gauge
-  ``llamacpp:engine_info{kv="int8",model="<id>",engine="uapplace-sim"} 1``.
-  :func:`uapplace.io.engines.metrics` turns these into ``max_context → 131072.0``
-  and ``kv → "int8"``: the keys of ``metricsMustMatch``.
-- ``POST /v1/chat/completions``: a canned completion whose text names the
-  model; ``"stream": true`` gets the same text as one SSE chunk and ``[DONE]``.
+- ``GET /v1/models`` (and ``/models``): ``data`` holds one entry per served id
+  (``--model-id`` then each ``--advertise``; with ``--wrong-id`` only
+  ``wrong-<model-id>``), each with ``meta.n_ctx`` (one slot's context), as llama.cpp
+  serves its ``--alias``.
+- ``GET /slots``: one object per slot (``--parallel N``, llama.cpp's ``-np``; ``--slots``
+  is the same flag): ``id``, ``n_ctx`` (the pool ``-c`` divided by the slots, as llama.cpp
+  splits it), ``speculative``, ``is_processing``; a slot that has run a task also carries
+  ``id_task``, ``n_prompt_tokens``, ``params`` and ``next_token``, as in llama.cpp. With
+  ``--no-slots`` it answers 501 ``not_supported_error``, as llama-server started with
+  ``--no-slots`` does.
+- ``GET /props``: ``default_generation_settings.n_ctx`` (per slot), ``total_slots``,
+  ``model_alias``, ``model_path``, ``build_info`` (:data:`BUILD_INFO`), ``is_sleeping``,
+  ``endpoint_slots``, ``endpoint_metrics``.
+- ``GET /metrics``: Prometheus text with llama.cpp's own names (``llamacpp:prompt_tokens_total``,
+  ``llamacpp:tokens_predicted_total``, ``llamacpp:requests_processing``,
+  ``llamacpp:requests_deferred``, …). llama.cpp exports no context size and no settings;
+  only a Strata-like engine does, so only with ``--kv`` or ``--max-context`` given does
+  the fake add ``llamacpp:max_context`` (the context pool in cells), the ``llamacpp:slots``
+  gauge and the info gauge ``llamacpp:engine_info{kv="int8",model="<id>",engine="uapplace-sim"} 1``
+  (``kv`` ``f16`` unless given). :func:`uapplace.io.engines.metrics` turns these into
+  ``max_context → 131072.0`` and ``kv → "int8"``: the keys of ``metricsMustMatch``.
+- ``POST /v1/chat/completions`` and ``POST /v1/completions``: a canned reply whose text
+  names the model (``Hello from <id>.``); ``"stream": true`` sends llama.cpp's SSE chunks
+  (``chat.completion.chunk`` / ``text_completion``) and ``data: [DONE]``. A request with
+  ``"ignore_eos": true`` and ``max_tokens`` (or ``n_predict``) N generates N tokens (up to
+  the slot's context, then ``finish_reason`` ``length``), one every ``--token-secs``: a
+  generation that lasts, during which its slot ``is_processing`` and
+  ``llamacpp:requests_processing`` counts it. A request waits for a free slot (counted in
+  ``llamacpp:requests_deferred``).
+
+Idle sleep, llama.cpp's (``--sleep-idle-seconds S``): after S seconds with no task (a
+completion or a ``GET /slots``; ``/metrics`` is no task) the engine sleeps: it gives its
+GPU claim and host memory back and ``/props`` says ``is_sleeping: true``. ``/health``,
+``/props``, ``/v1/models`` and ``/metrics`` answer without waking it; ``GET /slots`` and a
+completion wake it (after ``--wake-delay``, taking the memory again; a claim that no
+longer fits ends the process with 134, as llama-server aborts when its reload fails).
 
 Memory: after the port is bound it claims ``--mib`` on ``--gpu-uuid`` of the
 simulated GPU named by ``UAPPLACE_SIM_GPU`` (nothing when that is unset) and
@@ -41,7 +64,8 @@ not fit exits 1, as a failed ``cudaMalloc`` would. ``--host-mib`` touches that
 much host memory so the process RSS shows it.
 
 Sleep mode (``--sleep-mode``, vLLM's ``--enable-sleep-mode`` with
-``VLLM_SERVER_DEV_MODE=1``), vLLM's API against the simulated GPU:
+``VLLM_SERVER_DEV_MODE=1``), vLLM's API against the simulated GPU; not with
+``--sleep-idle-seconds``:
 
 - ``POST /sleep?level=1``: releases the GPU claim; the weights go to host RAM, so
   the host memory stays (``--host-mib``) and ``--offload-mib`` more is touched
@@ -55,7 +79,7 @@ Sleep mode (``--sleep-mode``, vLLM's ``--enable-sleep-mode`` with
   asleep. Waking an engine that is awake is a no-op 200.
 - ``GET /is_sleeping``: ``{"is_sleeping": bool}``.
 - While sleeping (and waking) ``/health`` stays 200 and ``/v1/models`` still
-  lists the model, as vLLM does; ``/v1/chat/completions`` answers 503.
+  lists the model, as vLLM does; completions answer 503.
 - Without ``--sleep-mode`` the three routes answer 404, like vLLM without them.
 
 Failure injection: ``--fail-at-start`` exits 1 before claiming anything;
@@ -79,25 +103,41 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from uapplace.files.jsonfile import atomic_write
+from uapplace.sim.completions import (
+    Generation,
+    Reply,
+    Slot,
+    plan_generation,
+    prompt_tokens,
+)
 from uapplace.sim.gpu import SimGpu, SimGpuError
 
 ENGINE_NAME = "uapplace-sim"
+BUILD_INFO = "b0-uapplace-sim"
+"""``/props`` ``build_info``: llama.cpp's is ``b<build>-<commit>`` (``b1-0c1e570``)."""
 SIM_GPU_ENV = "UAPPLACE_SIM_GPU"
 READY_PREFIX = "uapplace-sim-engine listening on "
 FAILABLE_ROUTES = ("slots", "props", "metrics")
 MIB = 1024 * 1024
+DEFAULT_CTX = 32768
+"""The context pool (llama.cpp's ``-c``) when neither ``-c`` nor ``--max-context`` is given."""
+WAKE_FAILED_EXIT = 134
+"""llama-server aborts (SIGABRT) when it cannot reload its model after sleeping."""
 
 
 @dataclass(frozen=True)
@@ -110,10 +150,16 @@ class EngineOptions:
     mib: float = 0.0
     host_mib: int = 0
     load_secs: float = 0.0
-    kv: str = "f16"
-    max_context: int = 32768
+    kv: str | None = None
+    """``--kv``: served as the ``kv`` label of ``llamacpp:engine_info`` (Strata-like)."""
+    max_context: int | None = None
+    """``--max-context``: the pool, served as ``llamacpp:max_context`` (Strata-like)."""
+    ctx_size: int = DEFAULT_CTX
+    """``-c``: the pool when ``--max-context`` is not given (llama.cpp exports it nowhere)."""
     slots: int = 1
     no_slots: bool = False
+    token_secs: float = 0.0
+    sleep_idle_seconds: float | None = None
     fail_routes: frozenset[str] = frozenset()
     fail_at_start: bool = False
     never_healthy: bool = False
@@ -136,6 +182,21 @@ class EngineOptions:
     @property
     def label(self) -> str:
         return f"uapplace.sim.engine {self.model_id}"
+
+    @property
+    def context_pool(self) -> int:
+        """The whole KV pool in cells, split across the slots."""
+        return self.max_context if self.max_context is not None else self.ctx_size
+
+    @property
+    def slot_ctx(self) -> int:
+        """One slot's context (llama.cpp's ``n_ctx`` in ``/slots``, ``/props``, ``/v1/models``)."""
+        return self.context_pool // self.slots
+
+    @property
+    def strata_metrics(self) -> bool:
+        """Serve the Strata-like gauges (``max_context``, ``slots``, ``engine_info``)?"""
+        return self.kv is not None or self.max_context is not None
 
 
 class EngineMemory:
@@ -198,26 +259,112 @@ class FakeEngine:
         self.loaded = False
         self.prompt_tokens = 0
         self.predicted_tokens = 0
-        self.processing = 0
+        self.decode_calls = 0
+        self.tokens_max = 0
+        self.deferred = 0
         self.started_at = int(time.time())
         self.sleep_level: int | None = None
-        """``None`` while awake; the level of the last ``POST /sleep`` while asleep."""
+        """``None`` while awake; the level of the last ``POST /sleep`` while asleep (vLLM)."""
+        self.idle_asleep = False
+        """Asleep after ``--sleep-idle-seconds`` without a task (llama.cpp)."""
+        self.last_task = time.monotonic()
+        self.slot_list = self._fresh_slots()
+        self.exit_code = 0
+        self.stopping = asyncio.Event()
+        """Set when the process should exit with :attr:`exit_code` (a failed wake)."""
+        self._task_ids = itertools.count()
         self._sleep_lock = asyncio.Lock()
+        self._idle_lock = asyncio.Lock()
+        self._slot_freed = asyncio.Condition()
+
+    @property
+    def processing(self) -> int:
+        """Requests being generated (llama.cpp's ``requests_processing``)."""
+        return sum(slot.processing for slot in self.slot_list)
+
+    @property
+    def asleep(self) -> bool:
+        """Asleep either way: idle sleep (llama.cpp) or ``POST /sleep`` (vLLM)."""
+        return self.idle_asleep or self.sleep_level is not None
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/models", self.models)
         app.router.add_get("/slots", self.slots)
         app.router.add_get("/props", self.props)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/sleep", self.sleep)
         app.router.add_post("/wake_up", self.wake_up)
         app.router.add_get("/is_sleeping", self.is_sleeping)
+        if self.options.sleep_idle_seconds is not None:
+            app.cleanup_ctx.append(self._idle_watcher)
         return app
 
-    # ----------------------------------------------------------------- sleep mode
+    def _fresh_slots(self) -> list[Slot]:
+        return [Slot(index, self.options.slot_ctx) for index in range(self.options.slots)]
+
+    # ----------------------------------------------------------------- idle sleep (llama.cpp)
+
+    def touch(self) -> None:
+        """A task ran: the idle timer starts again."""
+        self.last_task = time.monotonic()
+
+    async def _idle_watcher(self, app: web.Application) -> AsyncIterator[None]:
+        watcher = asyncio.create_task(self.watch_idle())
+        yield
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+    async def watch_idle(self) -> None:
+        """Fall asleep after ``--sleep-idle-seconds`` with no task and nothing generating."""
+        idle_s = self.options.sleep_idle_seconds
+        if idle_s is None:
+            return
+        while True:
+            await asyncio.sleep(min(0.05, idle_s / 4))
+            quiet = time.monotonic() - self.last_task >= idle_s
+            if self.loaded and quiet and not self.asleep and not self.processing:
+                self._fall_asleep()
+
+    def _fall_asleep(self) -> None:
+        print("uapplace.sim.engine: server is entering sleeping state", file=sys.stderr, flush=True)
+        self.memory.release_gpu()
+        self.memory.drop_host()
+        self.slot_list = self._fresh_slots()
+        self.idle_asleep = True
+
+    async def _wake_from_idle(self) -> bool:
+        """Reload after an idle sleep (``--wake-delay``); ``False`` when the claim no longer
+        fits, and the process is then ended (:data:`WAKE_FAILED_EXIT`), as llama-server aborts."""
+        async with self._idle_lock:
+            if not self.idle_asleep:
+                return True
+            await asyncio.sleep(self.options.wake_delay)
+            try:
+                self.memory.claim_gpu()
+            except SimGpuError as err:
+                print(
+                    f"uapplace.sim.engine: failed to reload model after sleeping: {err}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.exit_code = WAKE_FAILED_EXIT
+                self.stopping.set()
+                return False
+            self.memory.hold_host()
+            self.idle_asleep = False
+            self.touch()
+            print(
+                "uapplace.sim.engine: server is exiting sleeping state", file=sys.stderr, flush=True
+            )
+            return True
+
+    # ----------------------------------------------------------------- sleep mode (vLLM)
 
     def _no_sleep_mode(self) -> web.Response | None:
         if self.options.sleep_mode:
@@ -274,6 +421,9 @@ class FakeEngine:
             return
         await asyncio.sleep(self.options.load_secs)
         self.loaded = True
+        self.touch()
+
+    # ----------------------------------------------------------------- probes
 
     def _failing(self, route: str) -> web.Response | None:
         """The 500 of ``--fail-route``, or ``None`` when ``route`` works."""
@@ -282,104 +432,153 @@ class FakeEngine:
         return web.Response(status=500, text=f"simulated failure of /{route} (--fail-route)")
 
     def _loading(self) -> web.Response:
-        return web.json_response(
-            {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
-            status=503,
-        )
+        return _openai_error(503, "Loading model", "unavailable_error")
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.loaded:
-            return web.json_response({"status": "loading model"}, status=503)
+            return self._loading()
         return web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models`` (and ``/models``): answered asleep too, without waking."""
         if not self.loaded:
             return self._loading()
-        data = [
-            {"id": model, "object": "model", "created": self.started_at, "owned_by": "llamacpp"}
-            for model in self.options.served_ids
+        served = self.options.served_ids
+        listing = [
+            {"name": model, "model": model, "type": "model", "details": {"format": "gguf"}}
+            for model in served
         ]
-        return web.json_response({"object": "list", "data": data})
+        data = [
+            {
+                "id": model,
+                "aliases": [model],
+                "tags": [],
+                "object": "model",
+                "created": self.started_at,
+                "owned_by": "llamacpp",
+                "meta": self._model_meta(),
+            }
+            for model in served
+        ]
+        return web.json_response({"models": listing, "object": "list", "data": data})
+
+    def _model_meta(self) -> dict[str, Any]:
+        return {
+            "vocab_type": 1,
+            "n_vocab": 32000,
+            "n_ctx": self.options.slot_ctx,
+            "n_ctx_train": max(self.options.context_pool, DEFAULT_CTX),
+            "n_embd": 4096,
+            "n_params": 0,
+            "size": int(self.options.mib * MIB),
+            "ftype": ENGINE_NAME,
+        }
 
     async def slots(self, request: web.Request) -> web.Response:
+        """``GET /slots``: a task, so it wakes an idle-asleep engine and resets its timer."""
         if not self.loaded:
             return self._loading()
         if (failing := self._failing("slots")) is not None:
             return failing
         if self.options.no_slots:
-            return web.json_response(
-                {
-                    "error": {
-                        "code": 501,
-                        "message": "This server does not support slots endpoint.",
-                        "type": "not_supported_error",
-                    }
-                },
-                status=501,
-            )
-        per_slot = self.options.max_context // self.options.slots
-        return web.json_response(
-            [
-                {
-                    "id": index,
-                    "id_task": -1,
-                    "n_ctx": per_slot,
-                    "speculative": False,
-                    "is_processing": False,
-                    "params": {"cache_type_k": self.options.kv, "cache_type_v": self.options.kv},
-                }
-                for index in range(self.options.slots)
-            ]
-        )
+            message = "This server does not support slots endpoint. Start it with `--slots`"
+            return _openai_error(501, message, "not_supported_error")
+        if not await self._wake_from_idle():
+            return _openai_error(500, "failed to reload model after sleeping", "server_error")
+        self.touch()
+        return web.json_response([slot.to_json() for slot in self.slot_list])
 
     async def props(self, request: web.Request) -> web.Response:
+        """``GET /props``: answered asleep too (``is_sleeping``), without waking."""
         if not self.loaded:
             return self._loading()
         if (failing := self._failing("props")) is not None:
             return failing
+        opts = self.options
+        settings = {"n_predict": -1, "max_tokens": -1, "stream": False, "temperature": 0.8}
         return web.json_response(
             {
-                "default_generation_settings": {
-                    "n_ctx": self.options.max_context // self.options.slots
-                },
-                "total_slots": self.options.slots,
-                "model_path": f"/models/{self.options.model_id}.gguf",
+                "default_generation_settings": {"params": settings, "n_ctx": opts.slot_ctx},
+                "total_slots": opts.slots,
+                "model_alias": opts.served_ids[0],
+                "model_ftype": ENGINE_NAME,
+                "model_path": f"/models/{opts.model_id}.gguf",
+                "modalities": {"vision": False, "video": False, "audio": False},
+                "endpoint_slots": not opts.no_slots,
+                "endpoint_props": False,
+                "endpoint_metrics": True,
+                "build_info": BUILD_INFO,
+                "is_sleeping": self.asleep,
             }
         )
 
     async def metrics(self, request: web.Request) -> web.Response:
+        """``GET /metrics``: no task (it neither wakes the engine nor resets the idle timer)."""
         if not self.loaded:
             return self._loading()
         if (failing := self._failing("metrics")) is not None:
             return failing
-        return web.Response(text=self.metrics_text(), content_type="text/plain")
+        headers = {
+            "Content-Type": "text/plain; version=0.0.4",
+            "Process-Start-Time-Unix": str(self.started_at),
+        }
+        return web.Response(body=self.metrics_text().encode(), headers=headers)
 
     def metrics_text(self) -> str:
+        counters = [
+            ("prompt_tokens_total", "Number of prompt tokens processed", self.prompt_tokens),
+            ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", 0),
+            ("prompt_seconds_total", "Total time spent processing prompts", 0),
+            (
+                "tokens_predicted_total",
+                "Number of generation tokens processed",
+                self.predicted_tokens,
+            ),
+            ("tokens_predicted_seconds_total", "Total time spent generating tokens", 0),
+            ("n_decode_total", "Total number of llama_decode() calls", self.decode_calls),
+            ("n_tokens_max", "Largest observed sequence length", self.tokens_max),
+        ]
+        gauges = [
+            ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", 0),
+            ("predicted_tokens_seconds", "Average generation throughput in tokens/s", 0),
+            ("requests_processing", "Number of requests processing", self.processing),
+            ("requests_deferred", "Number of requests deferred", self.deferred),
+            ("n_busy_slots_per_decode", "Average number of busy slots per decode call", 0),
+        ]
         opts = self.options
-        info = f'kv="{opts.kv}",model="{opts.model_id}",engine="{ENGINE_NAME}"'
-        rows = [
-            ("prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens),
-            ("tokens_predicted_total", "counter", "Tokens generated.", self.predicted_tokens),
-            ("requests_processing", "gauge", "Requests being processed.", self.processing),
-            ("requests_deferred", "gauge", "Requests waiting for a slot.", 0),
-            ("max_context", "gauge", "Context pool in cells, all slots.", opts.max_context),
-            ("slots", "gauge", "Parallel slots.", opts.slots),
-        ]
-        lines: list[str] = []
-        for name, kind, help_text, value in rows:
-            lines += [
-                f"# HELP llamacpp:{name} {help_text}",
-                f"# TYPE llamacpp:{name} {kind}",
-                f"llamacpp:{name} {value}",
+        if opts.strata_metrics:
+            gauges += [
+                ("max_context", "Context pool in cells, all slots.", opts.context_pool),
+                ("slots", "Parallel slots.", opts.slots),
             ]
-        lines += [
-            "# HELP llamacpp:engine_info Engine settings as labels; the value is always 1.",
-            "# TYPE llamacpp:engine_info gauge",
-            f"llamacpp:engine_info{{{info}}} 1",
-        ]
+        lines: list[str] = []
+        for kind, rows in (("counter", counters), ("gauge", gauges)):
+            for name, help_text, value in rows:
+                lines += [
+                    f"# HELP llamacpp:{name} {help_text}",
+                    f"# TYPE llamacpp:{name} {kind}",
+                    f"llamacpp:{name} {value:g}",
+                ]
+        if opts.strata_metrics:
+            info = f'kv="{opts.kv or "f16"}",model="{opts.model_id}",engine="{ENGINE_NAME}"'
+            lines += [
+                "# HELP llamacpp:engine_info Engine settings as labels; the value is always 1.",
+                "# TYPE llamacpp:engine_info gauge",
+                f"llamacpp:engine_info{{{info}}} 1",
+            ]
         return "\n".join(lines) + "\n"
 
+    # ----------------------------------------------------------------- completions
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions``."""
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions``."""
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         if not self.loaded:
             return self._loading()
         if self.sleep_level is not None:
@@ -388,58 +587,70 @@ class FakeEngine:
             body = await request.json()
         except json.JSONDecodeError:
             return _openai_error(400, "request body is not JSON")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return _openai_error(400, "'messages' must be a list")
+        if not isinstance(body, dict):
+            return _openai_error(400, "request body must be a JSON object")
+        prompt = prompt_tokens(body, chat=chat)
+        if prompt is None:
+            what = "'messages' must be a list" if chat else "'prompt' must be a string or a list"
+            return _openai_error(400, what)
+        if not await self._wake_from_idle():
+            return _openai_error(500, "failed to reload model after sleeping", "server_error")
         served = self.options.served_ids[0]
-        text = f"Hello from {served}."
-        prompt = sum(
-            len(str(m.get("content", "")).split()) for m in body["messages"] if isinstance(m, dict)
-        )
-        self.prompt_tokens += prompt
-        self.predicted_tokens += len(text.split())
-        completion_id = f"chatcmpl-{os.getpid()}-{self.predicted_tokens}"
-        if body.get("stream"):
-            return await self._stream(request, completion_id, served, text)
-        return web.json_response(
-            {
-                "id": completion_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": served,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": prompt,
-                    "completion_tokens": len(text.split()),
-                    "total_tokens": prompt + len(text.split()),
-                },
-            }
-        )
+        generation = plan_generation(body, prompt, served, self.options.slot_ctx)
+        slot = await self._take_slot(generation)
 
-    async def _stream(
-        self, request: web.Request, completion_id: str, served: str, text: str
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        chunk = {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": served,
-            "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": None}
-            ],
-        }
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        chunk["choices"] = [{"index": 0, "delta": {}, "finish_reason": "stop"}]
-        await response.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
-        await response.write_eof()
-        return response
+        async def decode(tokens: int) -> None:
+            await self._decode(slot, tokens, generation.prompt_tokens)
+
+        try:
+            reply = Reply(chat, generation, served, BUILD_INFO, slot.task_id or 0, decode)
+            if generation.stream:
+                return await reply.stream(request)
+            await reply.generate()
+            return web.json_response(reply.whole())
+        finally:
+            await self._free_slot(slot)
+
+    async def _take_slot(self, generation: Generation) -> Slot:
+        """The first idle slot, waiting for one (a deferred request) when all are busy."""
+        async with self._slot_freed:
+            slot = self._idle_slot()
+            if slot is None:
+                self.deferred += 1
+                try:
+                    while (slot := self._idle_slot()) is None:
+                        await self._slot_freed.wait()
+                finally:
+                    self.deferred -= 1
+            slot.start(
+                next(self._task_ids),
+                generation.prompt_tokens,
+                generation.n_predict,
+                generation.stream,
+            )
+        self.prompt_tokens += generation.prompt_tokens
+        self.touch()
+        return slot
+
+    def _idle_slot(self) -> Slot | None:
+        return next((slot for slot in self.slot_list if not slot.processing), None)
+
+    async def _free_slot(self, slot: Slot) -> None:
+        slot.finish()
+        self.touch()
+        async with self._slot_freed:
+            self._slot_freed.notify()
+
+    async def _decode(self, slot: Slot, tokens: int, prompt_tokens: int) -> None:
+        """Generate one piece (``tokens`` tokens), ``--token-secs`` after the last."""
+        if self.options.token_secs > 0:
+            await asyncio.sleep(self.options.token_secs)
+        for _ in range(tokens):
+            slot.decode()
+        self.predicted_tokens += tokens
+        self.decode_calls += 1
+        self.tokens_max = max(self.tokens_max, prompt_tokens + slot.decoded)
+        self.touch()
 
 
 def _openai_error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -532,14 +743,14 @@ async def serve(options: EngineOptions, memory: EngineMemory | None = None) -> i
 
 
 async def _run(engine: FakeEngine) -> int:
-    stop = asyncio.Event()
+    """Serve until SIGTERM/SIGINT (0) or until the engine stops itself (its exit code)."""
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, engine.stopping.set)
     loading = asyncio.create_task(engine.finish_loading())
-    await stop.wait()
+    await engine.stopping.wait()
     loading.cancel()
-    return 0
+    return engine.exit_code
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -554,8 +765,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--mib", type=float, default=0.0, help="GPU MiB to claim")
     parser.add_argument("--host-mib", type=int, default=0, help="host MiB to keep resident")
     parser.add_argument("--load-secs", type=float, default=0.0)
-    parser.add_argument("--kv", default="f16", help="KV cache type reported in /metrics")
-    parser.add_argument("--max-context", type=int, default=32768, help="context pool in cells")
+    parser.add_argument(
+        "--kv", help="KV cache type, served in /metrics as Strata does (llama.cpp serves none)"
+    )
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        help="context pool in cells, served in /metrics as Strata does (llama.cpp serves none)",
+    )
+    parser.add_argument(
+        "-c",
+        "--ctx-size",
+        dest="ctx_size",
+        type=int,
+        default=DEFAULT_CTX,
+        help="context pool in cells (llama.cpp's -c), when --max-context is not given",
+    )
     parser.add_argument(
         "--parallel",
         "--slots",
@@ -566,6 +791,14 @@ def _parser() -> argparse.ArgumentParser:
         help="parallel slots (llama.cpp's --parallel)",
     )
     parser.add_argument("--no-slots", action="store_true", help="/slots answers 501")
+    parser.add_argument(
+        "--token-secs", type=float, default=0.0, help="seconds between generated tokens"
+    )
+    parser.add_argument(
+        "--sleep-idle-seconds",
+        type=float,
+        help="sleep after this long without a task, as llama-server does",
+    )
     parser.add_argument(
         "--fail-route",
         action="append",
@@ -597,7 +830,11 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
     problems = {
         "--port": not 0 <= args.port <= 65535,
         "--parallel/--slots": args.slots < 1,
-        "--max-context": args.max_context < 1,
+        "--max-context": args.max_context is not None and args.max_context < 1,
+        "-c/--ctx-size": args.ctx_size < 1,
+        "--token-secs": args.token_secs < 0,
+        "--sleep-idle-seconds": args.sleep_idle_seconds is not None
+        and args.sleep_idle_seconds <= 0,
         "--mib": args.mib < 0,
         "--host-mib": args.host_mib < 0,
         "--load-secs": args.load_secs < 0,
@@ -613,6 +850,11 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         parser.error("--mib needs --gpu-uuid")
     if args.sleep_mode and args.orphan:
         parser.error("--sleep-mode: not with --orphan (the orphan child holds the claim)")
+    if args.sleep_idle_seconds is not None and (args.sleep_mode or args.orphan):
+        parser.error("--sleep-idle-seconds: not with --sleep-mode or --orphan (one way to sleep)")
+    pool = args.max_context if args.max_context is not None else args.ctx_size
+    if pool < args.slots:
+        parser.error(f"the context pool ({pool} cells) is smaller than --parallel {args.slots}")
     return EngineOptions(
         port=args.port,
         host=args.host,
@@ -624,8 +866,11 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         load_secs=args.load_secs,
         kv=args.kv,
         max_context=args.max_context,
+        ctx_size=args.ctx_size,
         slots=args.slots,
         no_slots=args.no_slots,
+        token_secs=args.token_secs,
+        sleep_idle_seconds=args.sleep_idle_seconds,
         fail_routes=frozenset(args.fail_route),
         fail_at_start=args.fail_at_start,
         never_healthy=args.never_healthy,
