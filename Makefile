@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup engine demo test lint typecheck layering unit bus systemd engines bench clean
+.PHONY: setup engine demo test lint typecheck layering rules unit bus systemd engines bench clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,12 @@ typecheck: setup
 # "Layers"). No cache: the graph takes well under a second.
 layering: setup
 	$(BIN)/lint-imports --no-cache
+
+# The shipped Prometheus rules: syntax and their promtool unit tests
+# (contrib/prometheus/README.md). `make test` runs the same through
+# tests/unit/test_prometheus_rules.py.
+rules: setup
+	cd contrib/prometheus && promtool check rules uapplace.rules.yml && promtool test rules tests/*.yml
 
 test: lint typecheck layering engine
 	$(BIN)/pytest

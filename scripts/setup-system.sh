@@ -17,6 +17,9 @@ packages=(
   # build llama.cpp's llama-server (make engine: scripts/build-llama-server.sh, which
   # fetches its source with pip and builds it with CMake and Ninja)
   cmake g++ ninja-build python3-pip
+  # promtool (the unit tests of contrib/prometheus/'s rules) and a real prometheus
+  # server (the systemd tier scrapes the demo's shim with it)
+  prometheus
 )
 
 missing=()

@@ -54,9 +54,9 @@ BURST_WINDOW_S = 5.0
 AUTO_BURST_CLIENT = "__auto__"
 RETRY_AFTER_S = 2
 RETRY_AFTER_MS = 2000
-RESOLVE_WITH = (
-    "uap models pending | uap models apply <placement_id> <option> | dashboard Models tab"
-)
+RESOLVE_WITH = "uapplace pending | uapplace apply <placement_id> <option>"
+"""The commands that resolve a park (docs/http-contract.md §2): human text, no stability
+promise; machines key on ``type``, ``placement_id`` and ``reason``."""
 NO_CONTROLLER = "no_controller"
 FALLBACK_TARGET = "default"
 """The target key the proxy uses when no controller answer named one (docs/http-contract.md §3)."""
@@ -396,20 +396,20 @@ class TargetSemaphores:
 
 
 def park_message(model: str, placement_id: str, reason: str) -> str:
-    """The human text of a park, by reason (docs/http-contract.md §2, exact)."""
+    """The human text of a park, by reason (docs/http-contract.md §2, exact): it names
+    the commands that resolve it, ``uapplace pending`` and ``uapplace apply``."""
     if reason == "auto_loading":
         return (
             f"model {model} is being loaded automatically; retrying is correct and it will "
             "forward when the load completes"
         )
-    if reason == "auto_failed":
-        return (
-            f"model {model} failed to load automatically; resolve with `uap models pending` "
-            f"(placement {placement_id})"
-        )
-    return (
-        f"model {model} is not loaded; resolve with `uap models pending` (placement {placement_id})"
+    resolve = (
+        f"see the options with `uapplace pending`, approve one with "
+        f"`uapplace apply {placement_id} <option>`"
     )
+    if reason == "auto_failed":
+        return f"model {model} failed to load automatically; {resolve}"
+    return f"model {model} is not loaded; {resolve}"
 
 
 def _retry_headers() -> dict[str, str]:

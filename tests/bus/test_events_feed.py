@@ -19,7 +19,7 @@ from aiohttp import web
 
 from tests.bus.conftest import DaemonProcess, call, call_json
 from uapplace.bus.events import EventLog, parse_sse
-from uapplace.shim.events import EventFeed, stream_events
+from uapplace.shim.events import EventFeed, StreamLimits, stream_events
 
 pytestmark = pytest.mark.bus
 
@@ -34,7 +34,7 @@ async def served(daemon: DaemonProcess) -> AsyncIterator[tuple[EventFeed, str]]:
     feed.start()
 
     async def events(request: web.Request) -> web.StreamResponse:
-        return await stream_events(request, log, keepalive_s=0.5)
+        return await stream_events(request, log, StreamLimits(keepalive_s=0.5))
 
     app = web.Application()
     app.router.add_get("/api/placement/events", events)

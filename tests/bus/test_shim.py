@@ -37,6 +37,7 @@ from tests.bus.shim_fixtures import (
     request,
     start_shim,
 )
+from tests.worlds.exposition import sample
 
 pytestmark = pytest.mark.bus
 
@@ -157,17 +158,14 @@ def test_the_park_is_announced_on_the_bus_and_counted(shim: ShimProcess, uap_env
     ledger_ids = [p["id"] for p in json.loads(state[0])["pending"]]
     assert placement_id in ledger_ids
     metrics = request(shim.base_url, "GET", "/metrics").raw.decode()
-    counted = re.search(
-        r'^uapplace_shim_admits_total\{decision="park",reason="not_resident"\} (\d+)$',
-        metrics,
-        re.M,
-    )
-    assert counted and int(counted.group(1)) >= 1
-    assert "uapplace_daemon_up 1" in metrics.splitlines()
-    assert 'uapplace_residents{state="hot"} 1' in metrics.splitlines()
+    shim_parks = "uapplace_shim_admits_total"
+    counted = sample(metrics, shim_parks, decision="park", reason="not_resident")
+    assert counted is not None and counted >= 1
+    assert sample(metrics, "uapplace_daemon_up") == 1
+    assert sample(metrics, "uapplace_residents", state="hot") == 1
     pending_now = len(request(shim.base_url, "GET", "/api/placement/pending").json()["pending"])
-    assert f"uapplace_pending {pending_now}" in metrics.splitlines()
-    assert 'uapplace_shim_bus_call_duration_seconds_count{method="Admit"}' in metrics
+    assert sample(metrics, "uapplace_pending") == pending_now
+    assert sample(metrics, "uapplace_shim_bus_call_duration_seconds_count", method="Admit")
 
 
 # --------------------------------------------------------------------------- §4 reads

@@ -28,8 +28,8 @@ from tests.bus.shim_fixtures import (
     ShimProcess,
     request,
 )
+from tests.worlds.exposition import sample
 from uapplace.bus.events import parse_sse
-from uapplace.io.engines import parse_prometheus
 
 pytestmark = pytest.mark.bus
 
@@ -157,13 +157,6 @@ def test_targets_give_the_rails_of_each_resident_target(shim: ShimProcess) -> No
     assert target["agrees"] is True
 
 
-def sample(metrics: dict[str, float | str], series: str) -> float:
-    """A numeric sample (``parse_prometheus`` also gives ``*_info`` labels as text)."""
-    value = metrics[series]
-    assert not isinstance(value, str), (series, value)
-    return value
-
-
 def test_bus_admits_are_counted_in_metrics(shim: ShimProcess, daemon: DaemonProcess) -> None:
     for client in ("metrics-bus-1", "metrics-bus-2"):
         decision = call_json(daemon.uap.bus_address, "Admit", "sssu", "gamma", client, "", "0")
@@ -171,19 +164,17 @@ def test_bus_admits_are_counted_in_metrics(shim: ShimProcess, daemon: DaemonProc
     done = call(daemon.uap.bus_address, "Admit", "sssu", "alpha", "metrics-bus-3", "", "0")
     assert done.returncode == 0, done.stderr
     reply = request(shim.base_url, "GET", "/metrics")
-    metrics = parse_prometheus(reply.raw.decode())
-    parked = 'uapplace_admits_total{decision="park",reason="no_measured_config"}'
-    assert sample(metrics, parked) >= 2
-    assert sample(metrics, 'uapplace_admits_total{decision="forward",reason=""}') >= 1
+    metrics = reply.raw.decode()
+    parked = sample(metrics, "uapplace_admits_total", decision="park", reason="no_measured_config")
+    assert parked is not None and parked >= 2
+    forwarded = sample(metrics, "uapplace_admits_total", decision="forward", reason="")
+    assert forwarded is not None and forwarded >= 1
     # The shim carried none of those: its own counter has no gamma parks.
-    shim_parks = 'uapplace_shim_admits_total{decision="park",reason="no_measured_config"}'
-    assert metrics.get(shim_parks, 0) == 0
-    assert (
-        metrics[
-            f'uapplace_target_rails{{target_id="gpu0:{SEEDED_ENDPOINT}",model="alpha",source="props",state="ok"}}'
-        ]
-        == 1
-    )
+    shim_parks = "uapplace_shim_admits_total"
+    assert sample(metrics, shim_parks, decision="park", reason="no_measured_config") is None
+    target = {"target_id": f"gpu0:{SEEDED_ENDPOINT}", "model": "alpha"}
+    assert sample(metrics, "uapplace_target_rails", **target, source="props", state="ok") == 1
+    assert sample(metrics, "uapplace_target_rails_agree", **target) == 1
 
 
 def test_status_shows_the_rails_of_each_target(daemon: DaemonProcess) -> None:

@@ -12,6 +12,8 @@ docs/architecture.md ("Test tiers", tier 4).
 - ``units``: a connected :class:`UnitManager` on that manager's bus.
 - ``world_models``: the :class:`~tests.worlds.llama.LlamaModel` list of the world a test
   builds: :data:`DEFAULT_MODELS` unless an indirect parametrize gives others.
+- ``world_options``: more keyword arguments of :func:`tests.worlds.llama.llama_world`
+  (``timeouts``, ``cpu_total_mib``, ``cpu_reserved_mib``): none unless a test overrides it.
 - ``llama``: :func:`tests.worlds.llama.llama_world` for ``world_models``, stopped at the end.
 
 On a failure the report carries the tail of the manager's log and the world's logs
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,6 +89,12 @@ def world_models(request: pytest.FixtureRequest) -> tuple[LlamaModel, ...]:
 
 
 @pytest.fixture
+def world_options() -> dict[str, Any]:
+    """More :func:`tests.worlds.llama.llama_world` keywords; a test module overrides it."""
+    return {}
+
+
+@pytest.fixture
 async def llama(
     llama_server: Path,
     tiny_models: TinyModels,
@@ -93,6 +102,7 @@ async def llama(
     units: UnitManager,
     tmp_path: Path,
     world_models: tuple[LlamaModel, ...],
+    world_options: dict[str, Any],
 ) -> AsyncIterator[LlamaWorld]:
     """The llama world (``tests/worlds/llama.py``) for ``world_models``."""
     async with llama_world(
@@ -103,6 +113,7 @@ async def llama(
         llama_server,
         tiny_models,
         world_models,
+        **world_options,
     ) as world:
         yield world
 

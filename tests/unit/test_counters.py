@@ -1,12 +1,20 @@
-"""The daemon's counters (uapplace/io/counters.py) and their Prometheus rendering."""
+"""The daemon's counters (uapplace/io/counters.py) and their exposition in the shim's
+``/metrics`` (:func:`uapplace.shim.metrics.counter_families`)."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
+from tests.worlds.exposition import sample
 from uapplace.io import counters as counters_module
-from uapplace.io.counters import DaemonCounters, render_counters, render_targets, run_outcome
-from uapplace.io.engines import parse_prometheus
+from uapplace.io.counters import DaemonCounters, run_outcome
+from uapplace.shim.metrics import ShimMetrics
+
+
+def exposed(**state: Any) -> str:
+    """The shim's page for a ``GetState`` document with these fields."""
+    return ShimMetrics().exposition(state).decode()
 
 
 class Clock:
@@ -36,18 +44,21 @@ def test_admits_runs_steps_and_alerts_are_counted_and_rendered() -> None:
         {"decision": "park", "reason": "not_resident", "count": 2},
     ]
     assert doc["enforcement_runs"] == [{"verb": "apply", "outcome": "rolled_back", "count": 1}]
-    parsed = parse_prometheus("\n".join(render_counters(doc)) + "\n")
-    assert parsed['uapplace_admits_total{decision="park",reason="not_resident"}'] == 2
-    assert parsed['uapplace_enforcement_runs_total{verb="apply",outcome="rolled_back"}'] == 1
-    step = "uapplace_enforcement_step_duration_seconds"
-    assert parsed[f'{step}_bucket{{step="drain",ok="true",le="0.025"}}'] == 1
-    assert parsed[f'{step}_bucket{{step="start",ok="false",le="2.5"}}'] == 0
-    assert parsed[f'{step}_bucket{{step="start",ok="false",le="5"}}'] == 1
-    assert parsed[f'{step}_bucket{{step="start",ok="false",le="+Inf"}}'] == 1
-    run = "uapplace_enforcement_run_duration_seconds"
-    assert abs(float(parsed[f'{run}_sum{{verb="apply",outcome="rolled_back"}}']) - 3.02) < 1e-9
-    assert parsed['uapplace_alerts_raised_total{kind="token_mismatch",severity="critical"}'] == 1
-    assert parsed["uapplace_daemon_started_seconds"] == 1_790_000_000.0
+    text = exposed(counters=doc)
+    assert sample(text, "uapplace_admits_total", decision="park", reason="not_resident") == 2
+    runs = "uapplace_enforcement_runs_total"
+    assert sample(text, runs, verb="apply", outcome="rolled_back") == 1
+    step = "uapplace_enforcement_step_duration_seconds_bucket"
+    assert sample(text, step, step="drain", ok="true", le="0.025") == 1
+    assert sample(text, step, step="start", ok="false", le="2.5") == 0
+    assert sample(text, step, step="start", ok="false", le="5.0") == 1
+    assert sample(text, step, step="start", ok="false", le="+Inf") == 1
+    run = "uapplace_enforcement_run_duration_seconds_sum"
+    total = sample(text, run, verb="apply", outcome="rolled_back")
+    assert total is not None and abs(total - 3.02) < 1e-9
+    raised = "uapplace_alerts_raised_total"
+    assert sample(text, raised, kind="token_mismatch", severity="critical") == 1
+    assert sample(text, "uapplace_daemon_started_seconds") == 1_790_000_000.0
 
 
 def test_outcomes() -> None:
@@ -76,39 +87,38 @@ def test_label_sets_are_bounded() -> None:
 
 
 def test_missing_or_malformed_counters_render_nothing_or_skip_rows() -> None:
-    assert render_counters(None) == []
-    lines = render_counters({"admits": [{"decision": "x", "count": "many"}], "alerts_raised": 3})
-    assert not any(line.startswith("uapplace_admits_total{") for line in lines)
+    assert "uapplace_admits_total" not in exposed(counters=None)
+    text = exposed(counters={"admits": [{"decision": "x", "count": "many"}], "alerts_raised": 3})
+    assert "# TYPE uapplace_admits_total counter" in text
+    assert not any(line.startswith("uapplace_admits_total{") for line in text.splitlines())
 
 
 def test_target_rails_gauges_leave_unknown_rails_out() -> None:
-    text = (
-        "\n".join(
-            render_targets(
-                [
-                    {
-                        "target_id": "gpu0:http://a",
-                        "model": "a",
-                        "rails": 2,
-                        "rails_source": "slots",
-                        "state": "ok",
-                    },
-                    {
-                        "target_id": "gpu0:http://b",
-                        "model": "b",
-                        "rails": None,
-                        "rails_source": None,
-                        "state": "probe_failed",
-                    },
-                    "junk",
-                ]
-            )
-        )
-        + "\n"
+    text = exposed(
+        targets=[
+            {
+                "target_id": "gpu0:http://a",
+                "model": "a",
+                "rails": 2,
+                "rails_source": "slots",
+                "state": "ok",
+                "agrees": True,
+            },
+            {
+                "target_id": "gpu0:http://b",
+                "model": "b",
+                "rails": None,
+                "rails_source": None,
+                "state": "probe_failed",
+                "agrees": None,
+            },
+            "junk",
+        ]
     )
-    parsed = parse_prometheus(text)
-    a = 'target_id="gpu0:http://a",model="a",source="slots",state="ok"'
-    b = 'target_id="gpu0:http://b",model="b",source="none",state="probe_failed"'
-    assert parsed[f"uapplace_target_rails{{{a}}}"] == 2
-    assert f"uapplace_target_rails{{{b}}}" not in parsed
-    assert parsed[f"uapplace_target_rails_known{{{b}}}"] == 0
+    a = {"target_id": "gpu0:http://a", "model": "a", "source": "slots", "state": "ok"}
+    b = {"target_id": "gpu0:http://b", "model": "b", "source": "none", "state": "probe_failed"}
+    assert sample(text, "uapplace_target_rails", **a) == 2
+    assert sample(text, "uapplace_target_rails", **b) is None
+    assert sample(text, "uapplace_target_rails_known", **b) == 0
+    assert sample(text, "uapplace_target_rails_agree", target_id="gpu0:http://a", model="a") == 1
+    assert sample(text, "uapplace_target_rails_agree", target_id="gpu0:http://b", model="b") is None

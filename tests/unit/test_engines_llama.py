@@ -109,3 +109,44 @@ async def test_real_metrics_have_no_settings() -> None:
     assert found["requests_processing"] == 0.0
     assert found["llamacpp:n_tokens_max"] == 256.0
     assert "max_context" not in found and "kv" not in found and "n_ctx" not in found
+
+
+ALIASED_MODELS = {
+    "object": "list",
+    "data": [
+        {
+            "id": "alpha-chat",
+            "aliases": ["alpha-chat", "zeta"],
+            "tags": [],
+            "object": "model",
+            "created": 1796293848,
+            "owned_by": "llamacpp",
+            "meta": {"n_ctx": 256, "n_params": 120896},
+        }
+    ],
+}
+"""``GET /v1/models`` of the real llama-server started with ``--alias zeta,alpha-chat``: ONE
+entry, its ``id`` the alphabetically first alias, ``aliases`` holding both."""
+
+
+async def test_served_ids_include_every_alias_of_a_llama_cpp_model() -> None:
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response(ALIASED_MODELS)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    async with serving(app) as url:
+        assert await engines.served_ids(url) == ["alpha-chat", "zeta"]
+
+
+async def test_served_ids_without_aliases_are_the_ids() -> None:
+    """vLLM and the OpenAI shape have no ``aliases``; ``null`` counts as none."""
+    body = {"data": [{"id": "qwen"}, {"id": "qwen-27b", "aliases": None}]}
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response(body)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    async with serving(app) as url:
+        assert await engines.served_ids(url) == ["qwen", "qwen-27b"]

@@ -466,7 +466,7 @@ def test_alerts_round_trip_through_the_ledger() -> None:
         (ledger_schema.DeviceJson, DeviceReading, {"reserved_mib", "headroom_mib"}),
         (ledger_schema.HolderJson, Holder, set()),
         (ledger_schema.VictimJson, Victim, set()),
-        (ledger_schema.OptionJson, Option, {"signature", "frees_mib"}),
+        (ledger_schema.OptionJson, Option, {"signature", "frees_mib", "frees_host_mib"}),
         (ledger_schema.PendingJson, PendingEntry, {"recommended"}),
         (ledger_schema.AlertJson, Alert, set()),
     ],

@@ -250,3 +250,26 @@ async def test_a_sleeping_llama_cpp_is_refused_and_not_woken(tmp_path: Path) -> 
     )
     assert shapes.asleep and shapes.hits["/slots"] == 0
     assert host.local.read_text(encoding="utf-8") == before
+
+
+async def test_the_launch_line_measured_under_is_recorded_and_validated(tmp_path: Path) -> None:
+    """``flags`` = the live ``ExecStart`` after the program, so ``execStartMustContain`` is
+    checked against what really ran, each missing entry named."""
+    shapes = LlamaShapes(n_ctx=256, total_slots=2)
+    async with serving(shapes.app()) as url:
+        measurer, host = tiny_world(tmp_path, url)
+        result = await measurer.measure("tiny")
+    assert result["measurement"]["flags"] == SPLIT.split()[1:]
+    assert result["sources"]["flags"].startswith("uap-tiny.service's live ExecStart")
+
+    def errors(*must_contain: str) -> list[str]:
+        service = ServicePolicy("tiny-server", None, {}, must_contain, None)
+        found = validate(
+            load_registry(host.repo, host.local), CapacityPolicy({"tiny-server": service})
+        )
+        return [f.message for f in found if f.severity == "error"]
+
+    assert errors("--parallel 2", "-c 512") == []
+    [lacking] = errors("--parallel 2", "--cache-type-k q8_0")
+    assert "launch flags lack '--cache-type-k q8_0'" in lacking
+    assert "execStartMustContain[1]" in lacking

@@ -27,23 +27,24 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer, make_mocked_request
 
 from tests.worlds.commands import shim_argv
+from tests.worlds.exposition import sample
 from uapplace.bus.client import PlacementError
 from uapplace.core.errors import Failed, unavailable
 from uapplace.core.model import DEFAULT_CELLS
+from uapplace.files.token import load_or_create_token
 from uapplace.shim import main
 from uapplace.shim.access import (
     ADMIT_LOOPBACK_ONLY,
     TOKEN_HEADER,
     check_access,
     host_header_is_loopback,
-    load_or_create_token,
     token_matches,
 )
 from uapplace.shim.app import SHIM_KEY, create_app
 from uapplace.shim.bodies import BODY_LIMIT, U32_MAX, parse_admit
 from uapplace.shim.gateway import BusGateway
 from uapplace.shim.handlers import STATUS_BY_BUS_ERROR, Shim, apply_outcome, drifted_body
-from uapplace.shim.metrics import Counter, Histogram, ShimMetrics, state_gauges
+from uapplace.shim.metrics import ShimMetrics, state_families
 from uapplace.shim.responses import HttpError, encode_json
 from uapplace.shim.routes import ROUTES
 from uapplace.shim.server import bind_sockets
@@ -623,10 +624,11 @@ async def test_metrics_without_a_daemon(
         assert response.status == 200
         assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
         text = await response.text()
-    assert "uapplace_daemon_up 0" in text.splitlines()
-    assert 'uapplace_shim_bus_errors_total{method="Admit",error="Unreachable"} 1' in text
-    assert 'uapplace_shim_http_responses_total{route="/api/placement/admit",status="503"} 1' in text
-    assert 'uapplace_shim_bus_call_duration_seconds_count{method="Admit"} 1' in text
+    assert sample(text, "uapplace_daemon_up") == 0
+    assert sample(text, "uapplace_shim_bus_errors_total", method="Admit", error="Unreachable") == 1
+    responses = "uapplace_shim_http_responses_total"
+    assert sample(text, responses, route="/api/placement/admit", status="503") == 1
+    assert sample(text, "uapplace_shim_bus_call_duration_seconds_count", method="Admit") == 1
     assert_exposition_well_formed(text)
 
 
@@ -645,20 +647,31 @@ def assert_exposition_well_formed(text: str) -> None:
 
 
 def test_counter_and_histogram_exposition() -> None:
-    counter = Counter("c_total", "help", ("reason",))
-    counter.inc('quote " and \\ and\nnewline')
-    assert counter.render()[2] == 'c_total{reason="quote \\" and \\\\ and\\nnewline"} 1'
-    histogram = Histogram("h_seconds", "help", ("method",), (0.1, 1.0))
-    histogram.observe(0.05, "Admit")
-    histogram.observe(0.5, "Admit")
-    histogram.observe(5.0, "Admit")
-    assert histogram.render()[2:] == [
-        'h_seconds_bucket{method="Admit",le="0.1"} 1',
-        'h_seconds_bucket{method="Admit",le="1"} 2',
-        'h_seconds_bucket{method="Admit",le="+Inf"} 3',
-        'h_seconds_sum{method="Admit"} 5.55',
-        'h_seconds_count{method="Admit"} 3',
-    ]
+    metrics = ShimMetrics()
+    awkward = 'quote " and \\ and\nnewline'
+    metrics.admits.labels("park", awkward).inc()
+    for seconds in (0.0003, 0.004, 5.0):
+        metrics.bus_seconds.labels("Admit").observe(seconds)
+    text = metrics.exposition(None).decode()
+    assert 'reason="quote \\" and \\\\ and\\nnewline"} 1.0' in text
+    assert sample(text, "uapplace_shim_admits_total", decision="park", reason=awkward) == 1
+    bucket = "uapplace_shim_bus_call_duration_seconds_bucket"
+    assert sample(text, bucket, method="Admit", le="0.0005") == 1
+    assert sample(text, bucket, method="Admit", le="0.005") == 2
+    assert sample(text, bucket, method="Admit", le="2.5") == 2
+    assert sample(text, bucket, method="Admit", le="+Inf") == 3
+    total = sample(text, "uapplace_shim_bus_call_duration_seconds_sum", method="Admit")
+    assert total is not None and abs(total - 5.0043) < 1e-9
+    assert sample(text, "uapplace_shim_bus_call_duration_seconds_count", method="Admit") == 3
+    assert_exposition_well_formed(text)
+
+
+def test_each_shim_has_its_own_registry() -> None:
+    first, second = ShimMetrics(), ShimMetrics()
+    first.admits.labels("forward", "").inc()
+    assert first.value("uapplace_shim_admits_total", decision="forward", reason="") == 1
+    assert second.value("uapplace_shim_admits_total", decision="forward", reason="") == 0
+    assert first.registry is not second.registry
 
 
 def test_state_gauges_read_the_ledger_document() -> None:
@@ -667,19 +680,20 @@ def test_state_gauges_read_the_ledger_document() -> None:
         "residents": [{"state": "hot"}, {"state": "hot"}, {"state": "draining"}],
         "devices": {"gpu0": {"total_mib": 24576, "free_mib": 1016.5}, "cpu0": {"kind": "cpu"}},
     }
-    lines = state_gauges(state)
-    for expected in (
-        "uapplace_daemon_up 1",
-        "uapplace_pending 2",
-        'uapplace_residents{state="hot"} 2',
-        'uapplace_residents{state="warming"} 0',
-        'uapplace_residents{state="draining"} 1',
-        'uapplace_device_total_mib{device="gpu0"} 24576',
-        'uapplace_device_free_mib{device="gpu0"} 1016.5',
+    text = ShimMetrics().exposition(state).decode()
+    for name, labels, value in (
+        ("uapplace_daemon_up", {}, 1),
+        ("uapplace_pending", {}, 2),
+        ("uapplace_residents", {"state": "hot"}, 2),
+        ("uapplace_residents", {"state": "warming"}, 0),
+        ("uapplace_residents", {"state": "draining"}, 1),
+        ("uapplace_device_total_mib", {"device": "gpu0"}, 24576),
+        ("uapplace_device_free_mib", {"device": "gpu0"}, 1016.5),
     ):
-        assert expected in lines
-    assert not any("cpu0" in line for line in lines)
-    assert_exposition_well_formed(ShimMetrics().render(state))
+        assert sample(text, name, **labels) == value, (name, labels)
+    assert not any("cpu0" in line for line in text.splitlines())
+    assert [f.name for f in state_families(None)] == ["uapplace_daemon_up"]
+    assert_exposition_well_formed(text)
 
 
 # --------------------------------------------------------------------------- bytes
@@ -807,10 +821,13 @@ async def test_unavailable_bus_errors_are_503_and_counted() -> None:
         await shim.bus("Admit", 1.0, lambda client: client.admit("m", "c", "", 1))
     assert answered.value.status == 503
     assert answered.value.message == "placement daemon unavailable: Admit: no uapplaced"
-    assert (
-        shim.gateway.metrics.bus_errors.get("Admit", "org.freedesktop.DBus.Error.ServiceUnknown")
-        == 1
-    )
+    errors = "uapplace_shim_bus_errors_total"
+    unknown = "org.freedesktop.DBus.Error.ServiceUnknown"
+    assert shim.gateway.metrics.value(errors, method="Admit", error=unknown) == 1
+
+
+def enforcements(shim: Shim, verb: str, outcome: str) -> float:
+    return shim.metrics.value("uapplace_shim_enforcements_total", verb=verb, outcome=outcome)
 
 
 async def test_drifted_resolve_is_409_with_an_apply_style_body() -> None:
@@ -825,7 +842,7 @@ async def test_drifted_resolve_is_409_with_an_apply_style_body() -> None:
         "steps": [],
         "error": message,
     }
-    assert shim.metrics.enforcements.get("resolve", "drifted") == 1
+    assert enforcements(shim, "resolve", "drifted") == 1
 
 
 @pytest.mark.parametrize(
@@ -841,7 +858,7 @@ async def test_missing_machinery_is_503_with_the_daemons_message(failure: Failed
     with pytest.raises(HttpError) as answered:
         await shim.enforcement("resolve", "Apply", "plc-0a1b2c", lambda c: c.apply("x", 1, []))
     assert (answered.value.status, answered.value.message) == (503, str(failure))
-    assert shim.metrics.enforcements.get("resolve", "unavailable") == 1
+    assert enforcements(shim, "resolve", "unavailable") == 1
 
 
 def test_missing_machinery_is_its_own_bus_error_and_a_503() -> None:
@@ -873,8 +890,9 @@ async def test_enforcement_results_pass_through_as_200_and_are_counted(
     assert response.status == 200
     assert json.loads(response.body) == result  # type: ignore[arg-type]
     assert apply_outcome(result) == outcome
-    assert shim.metrics.enforcements.get("load", outcome) == 1
-    assert shim.metrics.enforcement_seconds.count("load", outcome) == 1
+    assert enforcements(shim, "load", outcome) == 1
+    timed = "uapplace_shim_enforcement_duration_seconds_count"
+    assert shim.metrics.value(timed, verb="load", outcome=outcome) == 1
 
 
 def test_localhost_binds_both_loopbacks_on_one_port() -> None:

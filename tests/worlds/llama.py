@@ -29,13 +29,20 @@ Every part is the real program:
 A model may be shaped to fail: ``preset=CORRUPT`` (a GGUF cut short: the server exits 1
 while loading), ``alias="wrong"`` (it serves another id), ``port_taken=True`` (another
 socket holds its port: it exits 1), ``extra_args`` (any llama-server flag),
-``sleep_idle_s`` (``--sleep-idle-seconds``). Models with ``started=True`` are started
-(and turn healthy) before the daemon, which adopts them as residents; the world is
-yielded once those are ``hot``.
+``sleep_idle_s`` (``--sleep-idle-seconds``), ``metrics=False`` (no ``--metrics``),
+``stop_timeout_s`` (the unit's ``TimeoutStopSec=``, 10 by default). Models with
+``started=True`` are started (and turn healthy) before the daemon, which adopts them as
+residents; the world is yielded once those are ``hot``. A test that needs other
+enforcement timeouts or a smaller ``cpu0`` passes them to :func:`llama_world` (the
+``world_options`` fixture).
 
 Helpers: the CLI (:meth:`LlamaWorld.cli`, :meth:`LlamaWorld.cli_json`), the daemon's
-state through the shim (:meth:`LlamaWorld.state`, :meth:`LlamaWorld.resident_states`),
-the engines' own answers (:meth:`LlamaWorld.engine_get`, :meth:`LlamaWorld.props`), the
+state through the shim (:meth:`LlamaWorld.state`, :meth:`LlamaWorld.resident_states`,
+:meth:`LlamaWorld.alerts`), admission as the proxy and the dashboard use it
+(:meth:`LlamaWorld.park`, :meth:`LlamaWorld.options_of`, :meth:`LlamaWorld.resolve`), the
+engines' own answers (:meth:`LlamaWorld.engine_get`, :meth:`LlamaWorld.props`,
+:meth:`LlamaWorld.slots_processing`) and completions sent straight to them
+(:meth:`LlamaWorld.complete`, :meth:`LlamaWorld.stream`), the
 units (:meth:`LlamaWorld.start`, :meth:`LlamaWorld.stop`, :meth:`LlamaWorld.main_pid`),
 waiting (:meth:`LlamaWorld.until`, :meth:`LlamaWorld.wait_asleep`). Never poll ``/slots``
 to see whether an engine sleeps: ``GET /slots`` wakes it (``/props`` does not).
@@ -56,7 +63,7 @@ import socket
 import subprocess
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +160,11 @@ class LlamaModel:
     extra_args: tuple[str, ...] = ()
     port_taken: bool = False
     """Another socket listens on the unit's port for the world's whole life."""
+    metrics: bool = True
+    """``--metrics`` (``False``: ``/metrics`` answers 501, as without the flag)."""
+    stop_timeout_s: int = 10
+    """The unit's ``TimeoutStopSec=``: systemd ``SIGKILL``s it that long after ``SIGTERM``
+    (llama-server ignores ``SIGTERM`` during a non-streaming generation)."""
     started: bool = False
     """Started before the daemon, which adopts it as a resident."""
     host_rss_mib: float = 64.0
@@ -161,6 +173,8 @@ class LlamaModel:
     """``False``: the config is ``{"status": "unmeasured"}`` (for ``measure`` to fill)."""
     metrics_must_match: Mapping[str, Any] | None = None
     """A capacity-policy service ``<key>-server`` with this ``metricsMustMatch``."""
+    exec_start_must_contain: tuple[str, ...] = ()
+    """That service's ``execStartMustContain`` (any entry makes the service)."""
     entry: Mapping[str, Any] = field(default_factory=dict)
     """More keys of the model's registry entry (``advertises``; ``rails``, else ``parallel``)."""
     config: Mapping[str, Any] = field(default_factory=dict)
@@ -177,7 +191,8 @@ class LlamaModel:
 
     @property
     def service(self) -> str | None:
-        return f"{self.key}-server" if self.metrics_must_match is not None else None
+        wanted = self.metrics_must_match is not None or self.exec_start_must_contain
+        return f"{self.key}-server" if wanted else None
 
 
 @dataclass(frozen=True)
@@ -202,7 +217,9 @@ class LlamaUnit:
         return f"cpu0:{self.endpoint}"
 
 
-def unit_text(unit_key: str, argv: Sequence[str], cache: Path, log_path: Path) -> str:
+def unit_text(
+    unit_key: str, argv: Sequence[str], cache: Path, log_path: Path, stop_timeout_s: int = 10
+) -> str:
     """A hardened ``Type=exec`` user unit running ``argv``; output appended to ``log_path``."""
     service = [
         "Type=exec",
@@ -211,7 +228,7 @@ def unit_text(unit_key: str, argv: Sequence[str], cache: Path, log_path: Path) -
         f"ReadWritePaths={cache}",
         f"StandardOutput=append:{log_path}",
         f"StandardError=append:{log_path}",
-        "TimeoutStopSec=10",
+        f"TimeoutStopSec={stop_timeout_s}",
         *HARDENING,
     ]
     head = f"[Unit]\nDescription=uapplace engines tier: llama-server {unit_key}\n"
@@ -302,9 +319,13 @@ def llama_registry(
 
 def capacity_policy(models: Sequence[LlamaModel]) -> dict[str, Any]:
     services = [
-        {"name": spec.service, "metricsMustMatch": dict(spec.metrics_must_match)}
+        {
+            "name": spec.service,
+            "metricsMustMatch": dict(spec.metrics_must_match or {}),
+            "execStartMustContain": list(spec.exec_start_must_contain),
+        }
         for spec in models
-        if spec.service is not None and spec.metrics_must_match is not None
+        if spec.service is not None
     ]
     return {"services": services}
 
@@ -367,6 +388,55 @@ class LlamaWorld:
         state = await self.state()
         return {row["model"]: row["state"] for row in state["residents"]}
 
+    async def alerts(self, kind: str) -> list[dict[str, Any]]:
+        """The open alerts of ``kind`` (``GetState.alerts``)."""
+        return [alert for alert in (await self.state())["alerts"] if alert["kind"] == kind]
+
+    async def shim_post(
+        self, path: str, body: Any, token: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        headers = {"x-uap-dashboard-token": token} if token is not None else {}
+        async with self.http.post(self.shim.base_url + path, json=body, headers=headers) as reply:
+            return reply.status, await reply.json()
+
+    async def admit(self, model: str, client: str = "llama-client") -> dict[str, Any]:
+        """``POST /api/placement/admit`` as the proxy sends it: the decision's body."""
+        body = {"model_id": model, "client": client, "session": None}
+        status, decision = await self.shim_post("/api/placement/admit", body)
+        assert status == 200, decision
+        return decision
+
+    async def park(self, model: str, client: str = "llama-client") -> str:
+        """Admit ``model``, which must park; its placement id."""
+        decision = await self.admit(model, client)
+        assert decision["decision"] == "park", decision
+        placement_id: str = decision["placement_id"]
+        return placement_id
+
+    async def pending_entry(self, placement_id: str) -> dict[str, Any] | None:
+        entries = (await self.shim_get("/api/placement/pending"))["pending"]
+        return next((e for e in entries if e["id"] == placement_id), None)
+
+    async def options_of(self, placement_id: str) -> list[dict[str, Any]]:
+        """The park's options, once the daemon has planned them."""
+
+        async def planned() -> list[dict[str, Any]] | None:
+            entry = await self.pending_entry(placement_id)
+            return entry["options"] if entry is not None and entry["options"] else None
+
+        options: list[dict[str, Any]] = await self.until(f"options of {placement_id}", planned)
+        return options
+
+    async def resolve(self, placement_id: str, option: int) -> dict[str, Any]:
+        """Apply ``option`` of ``placement_id`` through the shim (its victims as shown); the
+        run's result."""
+        chosen = (await self.options_of(placement_id))[option - 1]
+        victims = [{"model": v["model"], "config": v["config"]} for v in chosen["victims"]]
+        body = {"placement_id": placement_id, "option": option, "expected_victims": victims}
+        status, result = await self.shim_post("/api/placement/resolve", body, self.shim.token)
+        assert status == 200, result
+        return result
+
     async def wait_resident(self, key: str, wanted: str | None = "hot") -> None:
         """Until ``key``'s resident state is ``wanted`` (``None``: not a resident)."""
 
@@ -391,6 +461,32 @@ class LlamaWorld:
         assert pid, f"{key}'s unit has no main process"
         return pid
 
+    async def relaunch(
+        self, key: str, unit_dir: Path, models: TinyModels, **changes: Any
+    ) -> LlamaUnit:
+        """Restart ``key``'s unit under another command line, as an operator edits a unit:
+        ``changes`` to its :class:`LlamaModel` (``preset``, ``ctx_size``, ``parallel`` …),
+        the ``ExecStart=`` of its file in ``unit_dir`` rewritten, the manager reloaded, the
+        unit stopped and started; returned once ``/health`` answers 200."""
+        old = self.engines[key]
+        spec = replace(old.model, **changes)
+        model_path = models.path(spec.preset)
+        argv = spec_argv(self.binary, model_path, spec, old.port)
+        path = unit_dir / old.name
+        lines = [
+            f"ExecStart={shlex.join(argv)}" if line.startswith("ExecStart=") else line
+            for line in path.read_text(encoding="utf-8").splitlines()
+        ]
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        await self.units.reload()
+        assert (await self.stop(key)).ok
+        unit = LlamaUnit(spec, old.name, old.port, model_path, tuple(argv), old.log_path)
+        self.engines[key] = unit
+        outcome = await self.start(key)
+        assert outcome.ok, f"{outcome}; {self.engine_log(key)[-2000:]}"
+        await self.wait_healthy(key)
+        return unit
+
     # ------------------------------------------------------------- the engines
 
     async def engine_get(self, key: str, path: str) -> tuple[int, Any]:
@@ -407,6 +503,34 @@ class LlamaWorld:
         status, body = await self.engine_get(key, "/props")
         assert status == 200 and isinstance(body, dict), (status, body)
         return body
+
+    async def slots_processing(self, key: str) -> int:
+        """How many of ``key``'s slots say ``is_processing`` (``GET /slots`` wakes a
+        sleeper: only for an engine that is awake anyway)."""
+        status, slots = await self.engine_get(key, "/slots")
+        assert status == 200 and isinstance(slots, list), (status, slots)
+        return sum(1 for slot in slots if slot.get("is_processing"))
+
+    async def complete(self, key: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``POST /v1/completions`` straight to ``key``'s server (not through any proxy)."""
+        url = f"{self.engines[key].endpoint}/v1/completions"
+        async with self.http.post(url, json=dict(body)) as reply:
+            assert reply.status == 200, await reply.text()
+            answer: dict[str, Any] = await reply.json()
+        return answer
+
+    async def stream(self, key: str, body: Mapping[str, Any]) -> list[str]:
+        """``body`` streamed straight from ``key``'s server: every ``data:`` payload, in order
+        (the last is ``[DONE]`` when the stream ended whole)."""
+        url = f"{self.engines[key].endpoint}/v1/completions"
+        events: list[str] = []
+        async with self.http.post(url, json={**body, "stream": True}) as reply:
+            assert reply.status == 200, await reply.text()
+            async for raw in reply.content:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+        return events
 
     async def wait_healthy(self, key: str) -> None:
         async def healthy() -> bool:
@@ -528,23 +652,30 @@ def _write_unit(
     unit_dir: Path,
 ) -> LlamaUnit:
     model_path = models.path(spec.preset)
+    argv = spec_argv(binary, model_path, spec, port)
+    name = f"{prefix}-{spec.key}.service"
+    log_path = logs / f"{spec.key}.log"
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    text = unit_text(spec.key, argv, cache, log_path, spec.stop_timeout_s)
+    (unit_dir / name).write_text(text, encoding="utf-8")
+    return LlamaUnit(spec, name, port, model_path, tuple(argv), log_path)
+
+
+def spec_argv(binary: Path, model_path: Path, spec: LlamaModel, port: int) -> list[str]:
+    """The ``llama-server`` command line of ``spec`` serving ``model_path`` on ``port``."""
     extra = list(spec.extra_args)
     if spec.sleep_idle_s is not None:
         extra += ["--sleep-idle-seconds", str(spec.sleep_idle_s)]
-    argv = server_argv(
+    return server_argv(
         binary,
         model_path,
         port=port,
         alias=spec.served_alias,
         ctx_size=spec.ctx_size,
         parallel=spec.parallel,
+        metrics=spec.metrics,
         extra=extra,
     )
-    name = f"{prefix}-{spec.key}.service"
-    log_path = logs / f"{spec.key}.log"
-    unit_dir.mkdir(parents=True, exist_ok=True)
-    (unit_dir / name).write_text(unit_text(spec.key, argv, cache, log_path), encoding="utf-8")
-    return LlamaUnit(spec, name, port, model_path, tuple(argv), log_path)
 
 
 def _remove_dropins(unit_file: Path) -> None:

@@ -23,11 +23,19 @@ Decisions (docs/bus-api.md and docs/http-contract.md are silent on them):
   shim starts; the ``EventsLost`` notice carries no ``id:`` line, so a client's
   resume point stays on the last real event.
 - Data fields are the signal's argument names, as in the XML.
+- **One queue per subscriber, bounded** (:meth:`EventLog.subscribe`, the shim's SSE
+  streams; docs/http-contract.md §5, "Events"). Each publish appends the event to every
+  subscriber's queue (O(1) each, the event's SSE bytes encoded once and shared); a
+  subscriber whose queue holds ``capacity`` unread events is a slow reader: it is
+  dropped at once (its queue freed, never grown), and its stream ends with a
+  ``StreamClosed`` event saying why, so it can resume with ``Last-Event-ID``. No reader
+  can make a publish wait or cost more than an append.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections import deque
@@ -45,6 +53,9 @@ from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 DEFAULT_CAPACITY = 1000
 GAP_EVENT = "EventsLost"
+CLOSED_EVENT = "StreamClosed"
+"""The last event of a stream the shim ends: ``{"reason", "message", "last_id"}``."""
+DEFAULT_SUBSCRIBER_QUEUE = 512
 SSE_RETRY_MS = 2000
 """What the stream tells an EventSource to wait before reconnecting."""
 
@@ -89,6 +100,12 @@ class Event:
             "data": dict(self.data),
         }
 
+    @functools.cached_property
+    def sse(self) -> bytes:
+        """The SSE message (:func:`format_sse`), encoded once for every subscriber."""
+        body = _data_line(self.to_json())
+        return f"id: {self.id}\nevent: {self.kind.value}\ndata: {body}\n\n".encode()
+
 
 @dataclass(frozen=True)
 class Gap:
@@ -114,6 +131,83 @@ def signal_data(kind: EventKind, args: Sequence[Any]) -> dict[str, Any]:
     return dict(zip(names, args, strict=True))
 
 
+class Subscription:
+    """One subscriber's queue of events it has not read yet, at most ``capacity`` deep
+    beyond the backlog it started with (:meth:`EventLog.subscribe`).
+
+    :meth:`take` hands over everything queued at once (one write per batch); once the
+    subscriber is dropped (:attr:`dropped` says why) or the log closes, it returns
+    ``None``."""
+
+    def __init__(self, capacity: int, backlog: Sequence[Event | Gap]) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity {capacity}: a subscriber queues at least one event")
+        self.capacity = capacity
+        self._queue: deque[Event | Gap] = deque(backlog)
+        self._limit = capacity + len(backlog)
+        self._ready = asyncio.Event()
+        if backlog:
+            self._ready.set()
+        self.dropped: str | None = None
+        """Why this subscriber was dropped (a slow reader), ``None`` while it is not."""
+        self.closed = False
+        self.delivered_id = 0
+        """The id of the newest event :meth:`take` handed over."""
+
+    @property
+    def ended(self) -> bool:
+        return self.closed or self.dropped is not None
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def offer(self, event: Event) -> bool:
+        """Queue ``event``; ``False`` (and dropped) when the queue is already full."""
+        if self.ended:
+            return False
+        if len(self._queue) >= self._limit:
+            self.drop(
+                f"slow reader: {len(self._queue)} events were waiting unread (the limit is "
+                f"{self.capacity})"
+            )
+            return False
+        self._queue.append(event)
+        self._ready.set()
+        return True
+
+    def drop(self, why: str) -> None:
+        """End this subscription (its queue is freed at once)."""
+        if self.dropped is None:
+            self.dropped = why
+        self._queue.clear()
+        self._ready.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+    async def take(self, idle_s: float | None = None) -> list[Event | Gap] | None:
+        """Everything queued (waiting for something first); ``[]`` after ``idle_s`` with
+        nothing (a keepalive's moment); ``None`` once dropped or closed."""
+        if not self._queue and not self.ended:
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), idle_s)
+            except TimeoutError:
+                return []
+        if self.dropped is not None or (self.closed and not self._queue):
+            return None
+        batch = list(self._queue)
+        self._queue.clear()
+        self._limit = self.capacity
+        for item in reversed(batch):
+            if isinstance(item, Event):
+                self.delivered_id = item.id
+                break
+        return batch
+
+
 class EventLog:
     """A bounded ring of events with growing ids, and the readers that follow it.
 
@@ -132,6 +226,9 @@ class EventLog:
         self._last_id = 0
         self._changed = asyncio.Event()
         self._closed = False
+        self._subscribers: set[Subscription] = set()
+        self.dropped_subscribers = 0
+        """Subscribers dropped as slow readers since the log began."""
 
     @property
     def last_id(self) -> int:
@@ -143,8 +240,33 @@ class EventLog:
         self._last_id += 1
         event = Event(self._last_id, kind, self.clock(), dict(data))
         self._events.append(event)
+        if self._subscribers:
+            slow = [sub for sub in self._subscribers if not sub.offer(event)]
+            self._subscribers.difference_update(slow)
+            self.dropped_subscribers += len(slow)
         self._wake()
         return event
+
+    def subscribe(
+        self, last_id: int | None = None, capacity: int = DEFAULT_SUBSCRIBER_QUEUE
+    ) -> Subscription:
+        """A bounded queue of every event after ``last_id`` (:meth:`since`: a gap first when
+        some are gone) and each new one; :meth:`unsubscribe` it when done."""
+        gap, backlog = self.since(last_id)
+        items: list[Event | Gap] = [gap] if gap is not None else []
+        subscription = Subscription(capacity, [*items, *backlog])
+        if self._closed:
+            subscription.close()
+        else:
+            self._subscribers.add(subscription)
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        self._subscribers.discard(subscription)
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subscribers)
 
     def publish_signal(self, name: str, args: Sequence[Any]) -> Event:
         """A bus signal by name and arguments; :class:`EventError` for an unknown one."""
@@ -159,12 +281,14 @@ class EventLog:
         reader, which gets only what comes next)."""
         if last_id is None:
             return None, []
-        kept = list(self._events)
-        oldest = kept[0].id if kept else self._last_id + 1
+        oldest = self._events[0].id if self._events else self._last_id + 1
         if last_id > self._last_id:
-            return Gap(1, oldest - 1, restarted=True), kept
+            return Gap(1, oldest - 1, restarted=True), list(self._events)
         gap = Gap(last_id + 1, oldest - 1) if last_id + 1 < oldest else None
-        return gap, [event for event in kept if event.id > last_id]
+        # Ids are consecutive: the newest ``fresh`` events, read from the right end
+        # (a reader that is up to date costs nothing, whatever the ring holds).
+        fresh = min(self._last_id - last_id, len(self._events))
+        return gap, [self._events[index] for index in range(-fresh, 0)]
 
     async def follow(
         self, last_id: int | None = None, idle_s: float | None = None
@@ -204,8 +328,11 @@ class EventLog:
                 yield None
 
     def close(self) -> None:
-        """End every :meth:`follow` (shutdown)."""
+        """End every :meth:`follow` and subscription (shutdown)."""
         self._closed = True
+        for subscription in self._subscribers:
+            subscription.close()
+        self._subscribers.clear()
         self._wake()
 
     def _wake(self) -> None:
@@ -284,8 +411,15 @@ def format_sse(item: Event | Gap) -> bytes:
     (the reader's resume point stays on its last real event)."""
     if isinstance(item, Gap):
         return f"event: {GAP_EVENT}\ndata: {_data_line(item.to_json()['data'])}\n\n".encode()
-    body = _data_line(item.to_json())
-    return f"id: {item.id}\nevent: {item.kind.value}\ndata: {body}\n\n".encode()
+    return item.sse
+
+
+def format_closed(reason: str, message: str, last_id: int) -> bytes:
+    """The :data:`CLOSED_EVENT` that ends a stream: ``reason`` (``slow_reader``,
+    ``shutdown``), what happened, and ``last_id``, the newest event delivered (resume
+    with ``Last-Event-ID``). No ``id:`` line, as for a gap."""
+    data = {"reason": reason, "message": message, "last_id": last_id}
+    return f"event: {CLOSED_EVENT}\ndata: {_data_line(data)}\n\n".encode()
 
 
 def sse_preamble(retry_ms: int = SSE_RETRY_MS) -> bytes:

@@ -525,12 +525,36 @@ def install(
     force: Annotated[
         bool, typer.Option("--force", help="Replace files not written by uapplace install.")
     ] = False,
+    with_shim: Annotated[
+        bool,
+        typer.Option(
+            "--with-shim",
+            help="Also install the uapplace-shim user unit and its dashboard token (0600).",
+        ),
+    ] = False,
+    enable_shim: Annotated[
+        bool,
+        typer.Option(
+            "--enable-shim",
+            help="As --with-shim, then enable the shim unit (default.target) and start it now.",
+        ),
+    ] = False,
+    shim_port: Annotated[
+        int | None,
+        typer.Option(
+            "--shim-port", min=1, max=65535, help="The shim unit's port (implies --with-shim)."
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Install the D-Bus activation file and the uapplaced user unit, then reload."""
+    """Install the D-Bus activation file and the uapplaced user unit (with --with-shim, the
+    shim's unit and token too), then reload. `uapplace uninstall` removes exactly these."""
 
+    shim = None
+    if with_shim or enable_shim or shim_port is not None:
+        shim = installer.ShimInstall(enable=enable_shim, port=shim_port)
     try:
-        report = asyncio.run(installer.install(Paths.from_env(), force))
+        report = asyncio.run(installer.install(Paths.from_env(), force, shim))
     except installer.InstallError as error:
         fail(EXIT_REFUSED, str(error))
     _print_install(report, as_json)
@@ -538,7 +562,8 @@ def install(
 
 @app.command()
 def uninstall(as_json: JsonFlag = False) -> None:
-    """Remove exactly the files `uapplace install` wrote, then reload."""
+    """Stop the shim unit it installed, remove exactly what `uapplace install` wrote
+    (its manifest lists it), then reload."""
 
     try:
         report = asyncio.run(installer.uninstall(Paths.from_env()))

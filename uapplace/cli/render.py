@@ -404,10 +404,15 @@ def print_envelope(result: dict[str, Any]) -> None:
 
 def print_install(report: InstallReport) -> None:
     """``install``/``uninstall`` as text: each file and what was done to it, then the reload."""
-    for change in report.files:
+    changes = [*report.files, *report.dirs]
+    if report.manifest is not None:
+        changes.append(report.manifest)
+    for change in changes:
         detail = f" ({change.detail})" if change.detail else ""
         out.print(f"{change.action}: {change.path}{detail}", markup=False)
     out.print(report.reload_message, markup=False)
+    if report.shim_unit:
+        out.print(report.shim_unit, markup=False)
 
 
 # --------------------------------------------------------------------------- signals

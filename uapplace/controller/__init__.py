@@ -2,9 +2,10 @@
 
 ``controller.Controller`` owns the admission table, residents, holds, usage clocks,
 cooldowns and alerts; the other modules are its parts: the configuration in force
-(``configstate``), pending entries' options (``pending``), the ledger's write-behind
-(``persist``), holds (``holds``), usage and cooldowns (``standing``), what follows an
-alert (``alertdesk``), the ``Conflicts=`` drop-ins (``dropins``), its JSON views
+(``configstate``, which also makes residents follow a re-measure), pending entries'
+options (``pending``), the ledger's write-behind (``persist``), holds (``holds``), usage
+and cooldowns (``standing``), what follows an alert (``alertdesk``), the host against its
+reserve (``reserve``), the ``Conflicts=`` drop-ins (``dropins``), its JSON views
 (``views``), the Protocols of its collaborators (``ports``) and the door to
 enforcement (``door``).
 

@@ -204,18 +204,34 @@ def measured_footprint(registry: Registry, resident: Resident) -> Resident:
     the new figures (on a CPU device its GPU figure stays 0). A ``paused`` resident keeps
     what its pause left (a residual, or nothing for a router model), and a resident whose
     config is gone or unmeasured keeps what it had. Returns ``resident`` itself when
-    nothing changes."""
+    nothing changes.
+
+    A resident adopted while its config was unmeasured (no figure at all) sits on a
+    guessed device (:func:`uapplace.publish.unitsync.default_device`: the first GPU);
+    its first measurement, read from its own PIDs, says where it really is, so it moves
+    to ``measured_on`` (issue 19: a llama-server measured on ``cpu0`` stayed a ``gpu0``
+    resident of unknown footprint)."""
     if resident.state is ResidentState.PAUSED:
         return resident
     config = config_of(registry, resident)
-    if config is None or not config.is_measured or config.measured_on != resident.device:
+    if config is None or not config.is_measured:
         return resident
-    device = registry.devices.get(resident.device)
+    guessed = resident.gpu_mib is None and resident.host_rss_mib is None
+    where, measured_on = resident.device, config.measured_on
+    if measured_on != where:
+        if not guessed or measured_on is None or measured_on not in registry.devices:
+            return resident
+        where = measured_on
+    device = registry.devices.get(where)
     on_gpu = device is None or device.kind is DeviceKind.GPU
     gpu_mib = config.resident_gpu_mib if on_gpu else 0.0
-    if (gpu_mib, config.host_rss_mib) == (resident.gpu_mib, resident.host_rss_mib):
+    if (where, gpu_mib, config.host_rss_mib) == (
+        resident.device,
+        resident.gpu_mib,
+        resident.host_rss_mib,
+    ):
         return resident
-    return replace(resident, gpu_mib=gpu_mib, host_rss_mib=config.host_rss_mib)
+    return replace(resident, device=where, gpu_mib=gpu_mib, host_rss_mib=config.host_rss_mib)
 
 
 def reload_findings(err: ConfigFileError | None) -> list[Finding]:

@@ -1,7 +1,9 @@
 """Pending entries' options: planned after a park, re-planned on change
 (:class:`PendingPlanning`), and ``ListPending``'s live view of them.
 
-Options are planned at park time and re-planned when residents or holds change; who
+Options are planned at park time and re-planned when residents or holds change, and
+after every registry reload (new measurements, devices or configs: a park that had no
+option may have one now, issue 19); who
 is using a victim changes far more often (every request), so the controller reads it
 live (the proxy's list and the bus holds) and :func:`with_live_victims` overlays it
 onto each victim instead of re-running the planner for every entry on each call.
@@ -93,7 +95,7 @@ PlanFor = Callable[[str, int, PlanInput | None], Awaitable[Plan]]
 
 class PendingPlanning:
     """Options for pending entries: new parks planned after the admit answered, and
-    every entry re-planned when the residents or the holds change.
+    every entry re-planned when the residents, the holds or the registry change.
 
     Part of the controller (it builds one and is its only caller): the entries live
     in the controller's :class:`~uapplace.core.admission.Admission`, which this changes
@@ -124,7 +126,7 @@ class PendingPlanning:
         self._replan_wanted = asyncio.Event()
         self._generation = 0
         """Bumped by every change a plan depends on besides readings (residents,
-        holds): a plan that started under an older value is stale."""
+        holds, the registry): a plan that started under an older value is stale."""
         self._replanned_generation = -1
         """``_generation`` as the last finished re-plan found it."""
         self._replan_lock = asyncio.Lock()

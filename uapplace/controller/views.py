@@ -83,7 +83,8 @@ async def preview(controller: Controller, model: str, cells: int) -> dict[str, A
 
 
 async def preview_unload(controller: Controller, model: str) -> dict[str, Any]:
-    """What ``Unload(model)`` would stop now: ``{model, victims, signature, frees_mib}``.
+    """What ``Unload(model)`` would stop now: ``{model, victims, signature, frees_mib,
+    frees_host_mib}``.
 
     The same residents the enforcer stops (every resident of the model's key),
     with holders, in-flight and consequence as a displace option shows them.
@@ -99,6 +100,7 @@ async def preview_unload(controller: Controller, model: str) -> dict[str, Any]:
         "victims": [v.to_json() for v in victims],
         "signature": sorted(v.signature for v in victims),
         "frees_mib": round(sum(v.frees_mib for v in victims), 3),
+        "frees_host_mib": round(sum(v.frees_host_mib for v in victims), 3),
     }
 
 

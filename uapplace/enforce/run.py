@@ -49,7 +49,7 @@ from uapplace.files.journal import Journal
 from uapplace.files.timeouts import Timeouts, UpBound
 from uapplace.io.router import HTTP_ROUTER, RouterProbe, RouterSlot
 from uapplace.io.seams import EngineProbe, UnitControl
-from uapplace.io.units import UnitError, UnitState, state_text
+from uapplace.io.units import UnitError, UnitState, signalled_with_read, state_text
 from uapplace.publish import verify
 from uapplace.publish.unitsync import EnforcementMarks
 
@@ -295,10 +295,13 @@ class UnitFollower:
         self.routers = routers
         self._states: dict[str, UnitState] = {}
         self._events: dict[str, asyncio.Event] = {}
+        self._signalled: dict[str, int] = {}
+        """Unit → how many changes the manager has signalled (to spot one mid-read)."""
         units.on_change(self._on_change)
 
     def _on_change(self, unit: str, state: UnitState) -> None:
         self._states[unit] = state
+        self._signalled[unit] = self._signalled.get(unit, 0) + 1
         event = self._events.get(unit)
         if event is not None:
             event.set()
@@ -314,12 +317,20 @@ class UnitFollower:
         return self._events.setdefault(unit, asyncio.Event())
 
     async def fresh(self, unit: str) -> UnitState | None:
-        """Read ``unit`` from the manager now; ``None`` (logged) when it cannot be read."""
+        """Read ``unit`` from the manager now; ``None`` (logged) when it cannot be read.
+
+        A change signalled while the read was in flight is newer than the read may be
+        (:func:`~uapplace.io.units.signalled_with_read`): its fields win. Else a wait
+        would go on from a stale ``active`` and miss a unit that had already failed
+        (a llama-server that exits 1 within milliseconds of its start)."""
+        before = self._signalled.get(unit, 0)
         try:
             state = await self.units.state(unit)
         except UnitError as err:
             log.warning("cannot read the state of %s: %s", unit, err)
             return None
+        if self._signalled.get(unit, 0) != before:
+            state = signalled_with_read(self._states[unit], state)
         self._states[unit] = state
         return state
 

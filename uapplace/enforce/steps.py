@@ -26,7 +26,8 @@ wake steps are :mod:`uapplace.enforce.pause`, the undoing ones :mod:`uapplace.en
   request gauges; a request sent straight to the engine is not in the proxy's
   list). The proxy not answering, or an engine not answering, is unknown, which
   counts as busy; an engine that answers without any busy signal does not block
-  and is named so. The detail says what each source said. At the drain timeout
+  and is named so. The detail says what each source said, and what the first look
+  found busy when the drain had to wait (``waited for: …``). At the drain timeout
   the run rolls back rather than cut anyone off.
 - **stop** awaits each victim unit's stop job; anything but ``done`` rolls back.
   A ``done`` stop that systemd had to force (``Result=timeout``, the main process
@@ -204,6 +205,7 @@ async def drain(ctx: RunContext, run: Run, target: Target) -> None:
     labelled = (target.label, target.config) if target.config is not None else None
     bound = ctx.timeouts.drain_bound(labelled, [ctx.victim_config(v) for v in target.victims])
     deadline = started + bound.seconds
+    waited_for: list[str] = []  # what the first look found busy: why the drain waited
     while True:
         try:
             look = await _look(ctx, target)
@@ -212,13 +214,15 @@ async def drain(ctx: RunContext, run: Run, target: Target) -> None:
             raise run.fail(DRAIN, f"{err}; nothing was stopped") from None
         if not look.busy:
             waited = time.monotonic() - started
+            why = f"waited for: {'; '.join(waited_for)}; " if waited_for else ""
             run.record(
                 DRAIN,
                 True,
                 f"no in-flight work or holds (waited {waited:.2f}s; {bound.text()}); "
-                f"asked: {'; '.join(look.asked)}",
+                f"{why}asked: {'; '.join(look.asked)}",
             )
             return
+        waited_for = waited_for or look.busy
         if time.monotonic() >= deadline:
             raise run.fail(
                 DRAIN,

@@ -4,9 +4,9 @@ Owns the paths and environment knobs (``paths``), the one JSON reader and atomic
 writer (``jsonfile``), the registry (``registry``, ``registry_schema``,
 ``registry_write``), the capacity policy (``capacity``), the ledger
 ``placement.json`` (``ledger``, ``ledger_schema``), the enforcement journal
-(``journal``), the timeouts file (``timeouts``) and the standing-consent policy
-(``autopolicy``). Pydantic lives here, at the edge; what a file holds is handed
-inward as ``core.model`` dataclasses.
+(``journal``), the timeouts file (``timeouts``), the standing-consent policy
+(``autopolicy``) and the shim's dashboard token (``token``). Pydantic lives here, at
+the edge; what a file holds is handed inward as ``core.model`` dataclasses.
 
 May import: ``core``.
 """

@@ -125,6 +125,9 @@ async def health(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
 
 class _Model(BaseModel):
     id: str
+    aliases: list[str] | None = None
+    """llama.cpp's other names for the model: ``--alias b,a`` serves ONE entry whose ``id``
+    is the alphabetically first alias (``a``) and whose ``aliases`` holds both."""
 
 
 class _ModelList(BaseModel):
@@ -132,15 +135,20 @@ class _ModelList(BaseModel):
 
 
 async def served_ids(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
-    """The ids of ``GET /v1/models``, in the order served. Raises :class:`EngineError`."""
+    """The ids of ``GET /v1/models``, in the order served, each entry's ``aliases`` after
+    its ``id`` (once each): a request naming any of them is served. Raises
+    :class:`EngineError`."""
     url = f"{engine_root(endpoint)}/v1/models"
     body = await _get_json(url, timeout_s)
     try:
-        return [model.id for model in _ModelList.model_validate(body).data]
+        listed = _ModelList.model_validate(body).data
     except ValidationError as err:
         raise EngineError(
             f"GET {url}: not an OpenAI model list: {first_error_text(err, '(body)')}"
         ) from None
+    return list(
+        dict.fromkeys(name for model in listed for name in (model.id, *(model.aliases or ())))
+    )
 
 
 async def get_reply(

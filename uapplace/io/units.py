@@ -262,6 +262,25 @@ def _merge(state: UnitState, props: Mapping[bytes, Any]) -> UnitState:
 _UNKNOWN = UnitState(active_state="", sub_state="", load_state="", main_pid=0, exec_start="")
 
 
+def signalled_with_read(signalled: UnitState, read: UnitState) -> UnitState:
+    """What the manager's signals said last, with the facts only a read gives.
+
+    A read is several calls answered over a second connection: a unit that changes
+    while it is in flight (a process that exits between the ``Unit`` and the
+    ``Service`` properties) gives a reply older than a signal already handled, and no
+    later signal corrects it. So the signalled fields (``ActiveState``, ``SubState``,
+    ``MainPID``, ``Result``, ``ExecMain*``) win; the read adds what signals never carry.
+    """
+    return replace(
+        signalled,
+        load_state=read.load_state,
+        exec_start=read.exec_start,
+        exec_paths=read.exec_paths,
+        load_error=read.load_error,
+        timeout_stop_s=read.timeout_stop_s,
+    )
+
+
 class UnitManager:
     """Async facade over the systemd user manager. ``await connect()`` first, ``close()`` last.
 
@@ -344,18 +363,7 @@ class UnitManager:
         state = await self._in_worker(self._read_state, unit)
         # Signals may have moved on while we read: keep their fields, add ours.
         cached = self._states.get(unit)
-        self._states[unit] = (
-            state
-            if cached is None
-            else replace(
-                cached,
-                load_state=state.load_state,
-                exec_start=state.exec_start,
-                exec_paths=state.exec_paths,
-                load_error=state.load_error,
-                timeout_stop_s=state.timeout_stop_s,
-            )
-        )
+        self._states[unit] = state if cached is None else signalled_with_read(cached, state)
         return state
 
     async def pids(self, name: str) -> list[int]:

@@ -109,6 +109,13 @@ def launch_flags(exec_start: str) -> LaunchFlags:
     return LaunchFlags(True, ctx, parallel, unified, per_slot, cache_type)
 
 
+def launch_args(exec_start: str) -> tuple[str, ...]:
+    """The arguments of ``exec_start`` (``UnitState.exec_start``) after each command's
+    program: the launch line a measurement was taken under, recorded as the config's
+    ``flags`` so ``validate`` checks ``execStartMustContain`` against what really ran."""
+    return tuple(arg for command in exec_start.split("; ") for arg in command.split()[1:])
+
+
 def _int_flag(value: str | None) -> int | None:
     try:
         number = int(value) if value is not None else 0

@@ -26,6 +26,10 @@ unit's cgroup PIDs:
   reports nothing. ``/slots`` is asked only when ``/props`` has no per-slot
   context, and never of a sleeping engine (it would wake it).
 
+- ``flags``: the arguments of the unit's live ``ExecStart`` (after the program), the
+  launch line the footprint was measured under; ``validate`` checks the capacity
+  policy's ``execStartMustContain`` against them (they replace the registry's).
+
 The result names where each recorded figure came from (``sources``).
 
 Only the machine-local registry (``$UAP_HOME/model-registry.json``) is
@@ -73,7 +77,7 @@ from uapplace.io.devices import process_rss_mib
 from uapplace.io.seams import UnitControl
 from uapplace.io.units import UnitError
 from uapplace.measure.envelope import ENVELOPE_BOUND_S, EnvelopeMeasurer
-from uapplace.measure.geometry import Geometry, kv_geometry, launch_flags
+from uapplace.measure.geometry import Geometry, kv_geometry, launch_args, launch_flags
 from uapplace.measure.reading import (
     DEFAULT_FLOOR_MIB,
     EngineReader,
@@ -224,6 +228,10 @@ class Measurer:
         }
         if seen.reading.kind is not DeviceKind.CPU:
             fields["measured_device"] = _device_identity(seen.reading)
+        launched = launch_args(seen.exec_start)
+        if launched:
+            fields["flags"] = list(launched)
+            sources["flags"] = f"{seen.unit}'s live ExecStart, the launch line measured under"
         fields["host_free_mib"] = round(host_free, 1)
         if found.engine_build is not None:
             fields["engine_build"] = found.engine_build

@@ -44,6 +44,8 @@ WRONG_ENGINE_FIRST_S = 1.0
 """First pause before re-checking an engine that serves the wrong id or metrics."""
 WRONG_ENGINE_MAX_S = 30.0
 """Longest pause between two re-checks of a wrong engine (doubling from the first)."""
+SLEEP_CHECK_S = 5.0
+"""How often each ``hot`` resident's engine is asked whether it sleeps (:class:`SleepWatch`)."""
 
 
 class ResidentSink(Protocol):
@@ -166,7 +168,9 @@ class LedgerPublication:
     Each resident that is not ``hot`` is checked like a unit's engine
     (:func:`verify_until_ok`) and published ``hot`` when it passes; one that
     never passes stays ``warming`` and is never forwarded to. Without systemd
-    there is no unit to reconcile against, so nothing is dropped here.
+    there is no unit to reconcile against, so nothing is dropped here. A
+    :class:`SleepWatch` shows a hot resident asleep while its engine sleeps
+    (``sleep_check_s`` ``None``: none runs).
     """
 
     def __init__(
@@ -176,14 +180,22 @@ class LedgerPublication:
         first_poll_s: float = 0.05,
         max_poll_s: float = 1.0,
         http_s: float = engines.PROBE_TIMEOUT_S,
+        sleep_check_s: float | None = SLEEP_CHECK_S,
     ) -> None:
         self.host = host
         self.first_poll_s = first_poll_s
         self.max_poll_s = max_poll_s
         self.http_s = http_s
         self._tasks: list[asyncio.Task[None]] = []
+        self._sleep_watch = (
+            SleepWatch(host, every_s=sleep_check_s, http_s=http_s)
+            if sleep_check_s is not None
+            else None
+        )
 
     def start(self) -> None:
+        if self._sleep_watch is not None:
+            self._sleep_watch.start()
         for resident in self.host.residents():
             if resident.state in (ResidentState.WARMING, ResidentState.DRAINING):
                 name = f"verify-{resident.signature}"
@@ -208,6 +220,8 @@ class LedgerPublication:
             self.host.put_resident(replace(verified, state=ResidentState.HOT))
 
     async def close(self) -> None:
+        if self._sleep_watch is not None:
+            await self._sleep_watch.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -217,9 +231,6 @@ class LedgerPublication:
 
 
 # --------------------------------------------------------------------------- asleep
-
-SLEEP_CHECK_S = 5.0
-"""How often each ``hot`` resident's engine is asked whether it sleeps."""
 
 AsleepProbe = Callable[[Registry, Resident, float], Awaitable[bool | None]]
 """``(registry, resident, http_s)`` → asleep, awake, or ``None`` (it cannot say)."""

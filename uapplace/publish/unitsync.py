@@ -32,6 +32,11 @@ A unit a run is starting is not published here at all: the run's ``verify-up``
 enforcement run marked ``draining`` stays ``draining``
 (:meth:`EnforcementMarks.overlay`).
 
+While a resident is ``hot``, its :class:`~uapplace.publish.publication.SleepWatch` asks
+its engine every few seconds whether it sleeps on its own (llama.cpp's ``/props``
+``is_sleeping``, never ``/slots``, which wakes it) and shows it ``asleep`` — still
+``hot``, still forwarded to (docs/placement-rules.md §4.2, "Asleep is not paused").
+
 Reconcile (invariant 5, :meth:`UnitSync.sync_all`, run at start-up, after a
 registry reload and after a measurement): every registry unit's state is read
 and followed; then every resident whose unit is unknown to the registry, has no
@@ -95,7 +100,7 @@ from uapplace.io.units import (
     UnitState,
     state_text,
 )
-from uapplace.publish.publication import ResidentSink, verify_until_ok
+from uapplace.publish.publication import SLEEP_CHECK_S, ResidentSink, SleepWatch, verify_until_ok
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +212,7 @@ class UnitSync:
         max_poll_s: float = 1.0,
         http_s: float = engines.PROBE_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
+        sleep_check_s: float | None = SLEEP_CHECK_S,
     ) -> None:
         self.host = host
         self.units = units
@@ -215,6 +221,13 @@ class UnitSync:
         self.max_poll_s = max_poll_s
         self.http_s = http_s
         self._clock = clock
+        self.sleep_watch = SleepWatch(
+            host, every_s=sleep_check_s or SLEEP_CHECK_S, http_s=http_s, publish=self._publish
+        )
+        """The periodic re-check of whether each hot resident's engine sleeps
+        (:class:`~uapplace.publish.publication.SleepWatch`); ``sleep_check_s`` ``None``:
+        not run (tests that count every HTTP call)."""
+        self._sleep_check = sleep_check_s is not None
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._resync: asyncio.Task[None] | None = None
         self._started = False
@@ -227,6 +240,8 @@ class UnitSync:
             self.marks.on_cleared(self._after_run)
             self._started = True
         await self.sync_all()
+        if self._sleep_check and not self._closed:
+            self.sleep_watch.start()
 
     def _after_run(self) -> None:
         """A run is ending: once its own bookkeeping is done (it drops or restores its
@@ -276,6 +291,7 @@ class UnitSync:
     async def close(self) -> None:
         """Stop every verification watcher (the change listener becomes a no-op)."""
         self._closed = True
+        await self.sleep_watch.close()
         watchers = list(self._watchers.values())
         if self._resync is not None:
             watchers.append(self._resync)

@@ -1,5 +1,5 @@
 """Who may call the shim: loopback peers, loopback ``Host`` and ``Origin``, JSON-only admit,
-and the dashboard token (its file, created 0600 on first start, and the comparison).
+and the dashboard token's comparison (its file: :mod:`uapplace.files.token`).
 
 :func:`check_access` runs on every request before its handler (from the app's
 middleware); the handlers add :func:`require_json` (admit) and the token check
@@ -13,10 +13,6 @@ placements.
 from __future__ import annotations
 
 import hmac
-import os
-import secrets
-import stat
-from pathlib import Path
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -120,45 +116,3 @@ def token_matches(given: str | None, token: str) -> bool:
     if given is None:
         return False
     return hmac.compare_digest(given.encode("utf-8", "replace"), token.encode("utf-8"))
-
-
-# --------------------------------------------------------------------------- the token file
-
-
-def load_or_create_token(path: Path) -> str:
-    """The dashboard token, created (0600, directory 0700) when missing.
-
-    Refuses (``ValueError`` naming the path) a token file or directory that other
-    users could read, one owned by someone else, or an empty one.
-    """
-    directory = path.parent
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    dir_info = directory.stat()
-    if dir_info.st_uid != os.getuid() or dir_info.st_mode & 0o077:
-        raise ValueError(
-            f"{directory}: must be a directory owned by uid {os.getuid()} with mode 0700 "
-            f"(it is uid {dir_info.st_uid}, mode {stat.S_IMODE(dir_info.st_mode):04o})"
-        )
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return _read_token(path)
-    with os.fdopen(fd, "w", encoding="ascii") as handle:
-        token = secrets.token_urlsafe(32)
-        handle.write(token + "\n")
-    return token
-
-
-def _read_token(path: Path) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, encoding="utf-8") as handle:
-        info = os.fstat(handle.fileno())
-        if info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise ValueError(
-                f"{path}: the token file must be owned by uid {os.getuid()} with mode 0600 "
-                f"(it is uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o})"
-            )
-        token = handle.read().strip()
-    if not token:
-        raise ValueError(f"{path}: the token file is empty; delete it to get a new token")
-    return token

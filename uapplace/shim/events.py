@@ -17,6 +17,15 @@ recovery.
 idle so the connection and any proxy between stay open. The resume point is the
 ``Last-Event-ID`` header (what ``EventSource`` sends on reconnect), or a
 ``last_event_id`` query parameter for clients that cannot set headers.
+
+Bounded (docs/http-contract.md §5, "Events"): each stream reads its own
+:class:`~uapplace.bus.events.Subscription` (at most ``queue`` unread events) and
+writes what has queued in one write, at most every :data:`SSE_BATCH_S`, so a busy
+feed costs each subscriber a few writes a second whatever the event rate, and
+admits keep the loop. A reader whose queue overflows, or whose write waits
+``write_timeout`` for it to read, is dropped: its stream gets a final
+``StreamClosed`` event (``reason: slow_reader``, the newest id it was given) and is
+closed; a shim shutting down sends ``reason: shutdown``.
 """
 
 from __future__ import annotations
@@ -24,15 +33,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
+from dataclasses import dataclass
 
 from aiohttp import web
 from dbus_fast import BusType
 from dbus_fast.aio import MessageBus
 
 from uapplace.bus.events import (
+    DEFAULT_SUBSCRIBER_QUEUE,
     EventLog,
     SignalRelay,
+    Subscription,
+    format_closed,
     format_sse,
     parse_last_event_id,
     sse_keepalive,
@@ -42,6 +56,13 @@ from uapplace.bus.events import (
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 15.0
+SSE_BATCH_S = 0.05
+"""The least time between two writes to one stream: events meanwhile go out together."""
+CLOSE_GRACE_S = 2.0
+"""After the final event, how long a stream's connection may take to close cleanly."""
+SEND_BUFFER_BYTES = 64 * 1024
+"""The kernel send buffer of an SSE connection (``SO_SNDBUF``): loopback autotuning would
+let a reader that never reads hold megabytes before the shim even notices."""
 FEED_RETRY_S = 1.0
 FEED_WARN_AFTER_S = 30.0
 SSE_HEADERS = {
@@ -132,20 +153,83 @@ def resume_point(request: web.Request) -> int | None:
     return parse_last_event_id(request.query.get("last_event_id"))
 
 
+@dataclass(frozen=True)
+class StreamLimits:
+    """What one SSE stream may cost (:class:`~uapplace.shim.settings.ShimSettings`)."""
+
+    queue: int = DEFAULT_SUBSCRIBER_QUEUE
+    write_timeout: float = 10.0
+    keepalive_s: float = KEEPALIVE_S
+    batch_s: float = SSE_BATCH_S
+
+
 async def stream_events(
-    request: web.Request, events: EventLog, keepalive_s: float = KEEPALIVE_S
+    request: web.Request, events: EventLog, limits: StreamLimits | None = None
 ) -> web.StreamResponse:
-    """Serve ``events`` as SSE until the client leaves or the log closes.
+    """Serve ``events`` as SSE until the client leaves, is dropped, or the log closes.
 
     Raises :class:`EventError` (before anything is sent) for a bad resume point.
     """
+    limits = limits or StreamLimits()
     last_id = resume_point(request)
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
+    subscription = events.subscribe(last_id, limits.queue)
     try:
         await response.write(sse_preamble())
-        async for item in events.follow(last_id, idle_s=keepalive_s):
-            await response.write(sse_keepalive() if item is None else format_sse(item))
-    except (ConnectionResetError, ConnectionError):
+        await _relay(response, subscription, limits)
+        await _close(request, response, subscription, events)
+    except ConnectionError:
         pass  # the client left
+    finally:
+        events.unsubscribe(subscription)
     return response
+
+
+async def _relay(
+    response: web.StreamResponse, subscription: Subscription, limits: StreamLimits
+) -> None:
+    """Write batches until the subscription ends (dropped, or the log closed)."""
+    while True:
+        batch = await subscription.take(limits.keepalive_s)
+        if batch is None:
+            return
+        data = b"".join(format_sse(item) for item in batch) if batch else sse_keepalive()
+        try:
+            async with asyncio.timeout(limits.write_timeout):
+                await response.write(data)
+        except TimeoutError:
+            subscription.drop(
+                f"slow reader: a write waited {limits.write_timeout:g}s for the client to read"
+            )
+            return
+        if batch:
+            await asyncio.sleep(limits.batch_s)
+
+
+async def _close(
+    request: web.Request,
+    response: web.StreamResponse,
+    subscription: Subscription,
+    events: EventLog,
+) -> None:
+    """The final ``StreamClosed`` event, then the connection closed (bounded: a reader
+    that does not read is cut after :data:`CLOSE_GRACE_S`)."""
+    if subscription.dropped is not None:
+        reason, message = "slow_reader", subscription.dropped
+        log.info("event stream dropped: %s", message)
+    else:
+        reason, message = "shutdown", "uapplace-shim is stopping"
+    last = subscription.delivered_id
+    text = f"{message}; resume with Last-Event-ID {last}" if last else message
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(1.0):  # the transport's buffer is drained or not: bounded
+            await response.write(format_closed(reason, text, last))
+    transport = request.transport
+    if transport is not None and not transport.is_closing():
+        transport.close()
+        asyncio.get_running_loop().call_later(CLOSE_GRACE_S, transport.abort)

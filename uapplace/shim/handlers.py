@@ -61,7 +61,7 @@ from uapplace.shim.bodies import (
     read_model,
     signature_of,
 )
-from uapplace.shim.events import stream_events
+from uapplace.shim.events import StreamLimits, stream_events
 from uapplace.shim.gateway import BusGateway, BusWork, DaemonUnavailable
 from uapplace.shim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from uapplace.shim.metrics import ShimMetrics
@@ -171,8 +171,11 @@ class Shim:
 
     async def event_stream(self, request: web.Request) -> web.StreamResponse:
         """Server-Sent Events: the bus signals (and alerts), resumable (issue 13)."""
+        limits = StreamLimits(
+            queue=self.settings.sse_queue, write_timeout=self.settings.sse_write_timeout
+        )
         try:
-            return await stream_events(request, self.events)
+            return await stream_events(request, self.events, limits)
         except EventError as err:
             raise HttpError(400, str(err)) from None
 

@@ -26,7 +26,7 @@ synchronous step, so two scrapes on the event loop never see each other's docume
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,9 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 BUS_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 ENFORCEMENT_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RESIDENT_STATES = ("hot", "warming", "paused", "draining")
+_go_float: Callable[[float], str] = floatToGoString
+"""The client's own bucket-bound text (``5.0``, ``+Inf``), as its histograms write ``le``;
+named with a type because the client leaves this helper unannotated."""
 CPU_KIND = "cpu"
 """A device of this kind is host RAM: everything on the machine uses it, so the ledger's
 residents are never compared with its used memory (no ``uapplace_device_resident_mib``)."""
@@ -337,7 +340,7 @@ def _histogram_family(
         count = _count(row.get("count"))
         if cumulative is None or len(cumulative) != len(bounds) or count is None:
             continue
-        buckets = [(floatToGoString(b), c) for b, c in zip(bounds, cumulative, strict=True)]
+        buckets = [(_go_float(b), c) for b, c in zip(bounds, cumulative, strict=True)]
         buckets.append(("+Inf", count))
         values = [str(row["labels"].get(n, "")) for n in names]
         family.add_metric(values, buckets, _number(row.get("sum")) or 0.0)

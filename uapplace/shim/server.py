@@ -24,7 +24,7 @@ from aiohttp import web
 
 from uapplace.bus.util import user_bus_address
 from uapplace.files.paths import Paths
-from uapplace.shim.access import load_or_create_token
+from uapplace.files.token import load_or_create_token
 from uapplace.shim.app import create_app
 from uapplace.shim.overload import (
     ConnectionCap,
@@ -100,7 +100,7 @@ async def serve(settings: ShimSettings, hosts: Sequence[str], port: int) -> None
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     assert runner.server is not None
-    refusals = RateLimitedWarning()
+    refusals = RateLimitedWarning(logger=logging.getLogger("uapplace.shim.peers"))
     gate = UserGate(
         settings.allowed_uids,
         on_refusal=lambda why: refusals("refused a connection: %s", why),
@@ -115,6 +115,7 @@ async def serve(settings: ShimSettings, hosts: Sequence[str], port: int) -> None
         await stop.wait()
     finally:
         await runner.cleanup()
+        gate.close()
 
 
 def build_parser(paths: Paths) -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ BODY_TIMEOUT_S = 10.0
 """The most reading one request body may take (a 10 KiB body is milliseconds on loopback)."""
 MAX_CONNECTIONS = 512
 """Open HTTP connections served at once; more are answered 503 and closed at once."""
-SSE_QUEUE_EVENTS = 256
+SSE_QUEUE_EVENTS = 512
 """Events one SSE subscriber may have waiting; past that it is a slow reader and is
 dropped, with a final event saying why (docs/http-contract.md §5, "Events")."""
 SSE_WRITE_TIMEOUT_S = 10.0

@@ -96,19 +96,22 @@ def server_argv(
     ctx_size: int = 512,
     parallel: int = 2,
     sse_ping_s: int = 1,
+    metrics: bool = True,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """A single-model ``llama-server`` on 127.0.0.1:``port`` serving ``model`` as ``alias``.
 
     ``-c`` is the whole KV pool, split across the ``--parallel`` slots (``-c 512
     --parallel 2`` gives 256 cells per slot); ``--metrics`` turns ``/metrics`` on (it is
-    501 without); a short ``--sse-ping-interval`` lets a stream end soon after SIGTERM
-    (llama-server waits for the next ping). ``alias`` ``None``: no ``--alias`` (the id is
-    then the model path as given).
+    501 without; ``metrics=False`` leaves it off: llama-server has no ``--no-metrics`` to
+    undo it in ``extra``); a short ``--sse-ping-interval`` lets a stream end soon after
+    SIGTERM (llama-server waits for the next ping). ``alias`` ``None``: no ``--alias`` (the
+    id is then the model path as given).
     """
     argv = [str(binary), "-m", str(model)]
     if alias is not None:
         argv += ["--alias", alias]
     argv += ["--host", "127.0.0.1", "--port", str(port), "-c", str(ctx_size)]
-    argv += ["--parallel", str(parallel), "--metrics", "--sse-ping-interval", str(sse_ping_s)]
+    argv += ["--parallel", str(parallel), *(["--metrics"] if metrics else [])]
+    argv += ["--sse-ping-interval", str(sse_ping_s)]
     return [*argv, *extra]
