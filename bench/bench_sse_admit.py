@@ -250,6 +250,12 @@ def stop_subscribers(process: subprocess.Popen[str]) -> dict[str, int]:
 # --------------------------------------------------------------------------- report
 
 
+def shim_module(pid: int) -> str:
+    """Which ``uapplace`` the shim process runs (``--shim-tree``, or this checkout)."""
+    environ = psutil.Process(pid).environ()
+    return f"uapplace from {environ.get('PYTHONPATH') or ROOT}"
+
+
 def cpu_seconds(pids: dict[str, int], since: dict[str, float] | None = None) -> dict[str, float]:
     """CPU seconds (user + system) each process has used (since ``since``)."""
     out = {}
@@ -307,7 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             shim_env = dict(uap.env)
             if args.shim_tree is not None:
                 shim_env["PYTHONPATH"] = str(args.shim_tree.resolve())
+                shim_env["PYTHONSAFEPATH"] = "1"  # -m must not put this tree's cwd first
             shim = start_shim(shim_env, address, root)
+            print(f"shim: {shim_module(shim.process.pid)}")
             try:
                 print(
                     f"measured: alpha admits @{args.rate:g}/s on {args.clients} connections; "
@@ -318,9 +326,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rest, parks_rest = asyncio.run(run_load(shim.port, args))
                 cpu_rest = cpu_seconds(pids, before)
                 process = start_subscribers(shim.port, args.subscribers, args.stalled)
+                pids["subscribers"] = process.pid
                 before = cpu_seconds(pids)
                 loaded, parks_loaded = asyncio.run(run_load(shim.port, args))
                 cpu_loaded = cpu_seconds(pids, before)
+                del pids["subscribers"]
                 ended = stop_subscribers(process)
             finally:
                 shim_log = shim.log()
@@ -345,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"readers: {readers} got {ended['events']} events in all "
         f"({ended['events'] / max(1, readers):.0f} each); stalled: {args.stalled}, "
         f"closed by the shim {ended['closed_by_shim']}, "
-        f"StreamClosed seen by {ended['saw_stream_closed']}; "
+        f"StreamClosed read by {ended['saw_stream_closed']} (read only after the run: the shim "
+        "cuts a dropped stream 10 s after its final event); "
         f"shim log 'event stream dropped' lines: {shim_log.count('event stream dropped')}"
     )
     return 0

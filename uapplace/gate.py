@@ -403,10 +403,9 @@ def park_message(model: str, placement_id: str, reason: str) -> str:
             f"model {model} is being loaded automatically; retrying is correct and it will "
             "forward when the load completes"
         )
-    resolve = (
-        f"see the options with `uapplace pending`, approve one with "
-        f"`uapplace apply {placement_id} <option>`"
-    )
+    # The wire shape of the stock proxy's text is kept, "(placement ID)" last, since
+    # clients read the id from it; only the command named is uapplace's real one.
+    resolve = f"resolve with `uapplace pending` (placement {placement_id})"
     if reason == "auto_failed":
         return f"model {model} failed to load automatically; {resolve}"
     return f"model {model} is not loaded; {resolve}"

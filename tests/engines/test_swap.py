@@ -34,7 +34,7 @@ from tests.worlds.steps import APPLY_STEPS
 
 pytestmark = pytest.mark.engines
 
-STREAM_S = {"cli": 6.0, "shim": 3.0}
+STREAM_S = {"cli": 5.0, "shim": 3.0}
 """How long the stream to alpha should last, by the path that applies: long enough to be
 caught mid-generation by the drain (a CLI call takes a second or two to get there on a
 loaded machine; the shim's call a few milliseconds), short enough for the drain bound.

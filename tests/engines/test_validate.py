@@ -43,7 +43,7 @@ POLICY_WORLD = (
         exec_start_must_contain=("--parallel 2", "--cache-type-k q8_0"),
     ),
     LlamaModel("gamma", "tiny-a", metrics_must_match={"n_ctx": 512}),
-    LlamaModel("delta", "tiny-a", started=False, metrics_must_match={"total_slots": 4}),
+    LlamaModel("delta", "tiny-a", metrics_must_match={"total_slots": 4}),
 )
 ALIASED = (LlamaModel("zeta", "tiny-a", alias="zeta,aardvark"),)
 
@@ -71,7 +71,7 @@ async def test_validate_checks_the_policy_against_the_real_units(llama: LlamaWor
         assert "live ExecStart" in measured["sources"]["flags"]
 
     done = await llama.cli("validate", "--json")
-    assert done.returncode == 1, "an error fails validate"
+    assert done.returncode == EXIT_REFUSED, "an error fails validate"
     found = errors(json.loads(done.stdout))
     assert set(found) == {
         "$.models.beta.configs.beta-f32.flags",

@@ -63,8 +63,8 @@ async def test_park_then_operator_apply_then_the_retry_forwards(world: LiveWorld
         "type": "error",
         "error": {
             "type": "model_placement_pending",
-            "message": "model beta is not loaded; see the options with `uapplace pending`, "
-            f"approve one with `uapplace apply {placement_id} <option>`",
+            "message": "model beta is not loaded; resolve with `uapplace pending` "
+            f"(placement {placement_id})",
             "placement_id": placement_id,
             "requested_model": "beta",
             "reason": "not_resident",

@@ -55,6 +55,7 @@ async def sleeping_world(
     unit_files: UnitFiles,
     sim: SimGpu,
     alpha_args: Sequence[str] = (),
+    lever: str = "vllm-sleep-1",
 ) -> World:
     world = await build_world(
         tmp_path,
@@ -65,7 +66,7 @@ async def sleeping_world(
         beta_args=["--sleep-mode"],
     )
     try:
-        declare_levers(world)
+        declare_levers(world, lever)
         assert await world.controller.reload()
         async with asyncio.timeout(GUARD_S):
             await world.start_alpha()
@@ -90,7 +91,11 @@ async def world(
 async def failing_wake_world(
     tmp_path: Path, units: UnitManager, unit_files: UnitFiles, sim_gpu: SimGpu
 ) -> AsyncIterator[World]:
-    built = await sleeping_world(tmp_path, units, unit_files, sim_gpu, ["--fail-wake"])
+    # Level 2 (weights discarded): pausing beta as well must fit the host's RAM, which a
+    # level-1 copy of both engines' weights (14,000 + 16,000 MiB) does not.
+    built = await sleeping_world(
+        tmp_path, units, unit_files, sim_gpu, ["--fail-wake"], lever="vllm-sleep-2"
+    )
     try:
         yield built
     finally:
@@ -139,13 +144,17 @@ async def test_pause_frees_the_vram_and_a_later_request_wakes_alpha(world: World
     verdict = await verify.check(world.alpha.endpoint, expect, 2.0)
     assert not verdict.ok and "asleep" in verdict.detail, verdict
     # A paused resident is not forwarded to: the request parks with a wake option,
-    # which needs room, so beta must go (paused or stopped, with consent).
+    # which needs room, so beta must go. Only stopped: pausing beta too would park its
+    # 16,000 MiB of weights in host RAM beside alpha's 14,000 (level 1), more than the
+    # host holds once residents count at their measured footprints.
     entry = await world.park("alpha")
-    assert [o.kind for o in entry.options] == [OptionKind.WAKE, OptionKind.WAKE]
-    assert forms(entry) == [("wake", tuple(BETA_PAUSED)), ("wake", tuple(BETA_STOPPED))]
+    assert [o.kind for o in entry.options] == [OptionKind.WAKE]
+    assert forms(entry) == [("wake", tuple(BETA_STOPPED))]
+    plan = await world.controller.plan_for("alpha", 1000)
+    assert any("host RAM" in why and "short" in why for why in plan.infeasible), plan
 
     async with asyncio.timeout(GUARD_S):
-        result = await world.controller.enforcement.apply(entry.id, 2, BETA_STOPPED)
+        result = await world.controller.enforcement.apply(entry.id, 1, BETA_STOPPED)
 
     assert result["ok"] is True, result
     names = step_names(result)

@@ -319,20 +319,18 @@ async def test_fallback_parks_enter_the_burst_map(
 
 def test_messages_by_reason_are_exact() -> None:
     assert park_message("qwen3.8-27b", "plc-7f2a00", "not_resident") == (
-        "model qwen3.8-27b is not loaded; see the options with `uapplace pending`, approve "
-        "one with `uapplace apply plc-7f2a00 <option>`"
+        "model qwen3.8-27b is not loaded; resolve with `uapplace pending` (placement plc-7f2a00)"
     )
     assert park_message("m", "plc-000001", "no_controller") == (
-        "model m is not loaded; see the options with `uapplace pending`, approve one with "
-        "`uapplace apply plc-000001 <option>`"
+        "model m is not loaded; resolve with `uapplace pending` (placement plc-000001)"
     )
     assert park_message("m", "plc-000001", "auto_loading") == (
         "model m is being loaded automatically; retrying is correct and it will forward when "
         "the load completes"
     )
     assert park_message("m", "plc-000001", "auto_failed") == (
-        "model m failed to load automatically; see the options with `uapplace pending`, "
-        "approve one with `uapplace apply plc-000001 <option>`"
+        "model m failed to load automatically; resolve with `uapplace pending` "
+        "(placement plc-000001)"
     )
 
 
@@ -344,8 +342,8 @@ def test_anthropic_409_exact() -> None:
         "type": "error",
         "error": {
             "type": "model_placement_pending",
-            "message": "model qwen3.8-27b is not loaded; see the options with `uapplace "
-            "pending`, approve one with `uapplace apply plc-7f2a00 <option>`",
+            "message": "model qwen3.8-27b is not loaded; resolve with `uapplace pending` "
+            "(placement plc-7f2a00)",
             "placement_id": "plc-7f2a00",
             "requested_model": "qwen3.8-27b",
             "reason": "not_resident",
@@ -381,8 +379,8 @@ def test_ollama_409_exact() -> None:
     status, headers, body = ollama_409("m", "plc-000001", "auto_failed")
     assert (status, headers) == (409, {"Retry-After": "2"})
     assert json.dumps(body) == (
-        '{"error": "model m failed to load automatically; see the options with `uapplace '
-        'pending`, approve one with `uapplace apply plc-000001 <option>`"}'
+        '{"error": "model m failed to load automatically; resolve with `uapplace pending` '
+        '(placement plc-000001)"}'
     )
 
 

@@ -26,6 +26,7 @@ from uapplace import __version__
 from uapplace.bus.client import PlacementClient, PlacementError
 from uapplace.bus.events import EventLog, json_line
 from uapplace.cli import install as installer
+from uapplace.cli import logs as unit_logs
 from uapplace.cli.enforce import apply_impact, enforce, load_impact, unload_impact
 from uapplace.cli.files import (
     envelope_steps,
@@ -60,6 +61,7 @@ from uapplace.cli.session import (
 from uapplace.core.model import DEFAULT_CELLS
 from uapplace.demo import real_engine, walkthrough
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH, Paths
+from uapplace.io.unitlogs import MAX_LINES
 
 if TYPE_CHECKING:
     from uapplace.cli.install import InstallReport
@@ -465,6 +467,30 @@ def release(
     connection's hold needs polkit's yes for org.uap.placement.release-others (exit 4 otherwise)."""
     call(lambda c: c.release(cookie))
     out.print(f"released hold {cookie}")
+
+
+# --------------------------------------------------------------------------- logs
+
+
+@app.command()
+def logs(
+    model: Annotated[str, typer.Argument(help="Model key, config key or advertised id.")],
+    lines: Annotated[
+        int,
+        typer.Option(
+            "--lines", "-n", min=1, max=MAX_LINES, help="How many of the last lines to print."
+        ),
+    ] = unit_logs.DEFAULT_LINES,
+    follow: Annotated[
+        bool,
+        typer.Option("--follow", "-f", help="Then print each new line as it comes, until Ctrl-C."),
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """The last lines MODEL's unit wrote: its stderr's log file (StandardError=append:|file:),
+    else the user journal (its latest run only), else its stdout's file. Exit 7 for an
+    unknown model or one without a unit, 1 when it has no log."""
+    unit_logs.show(model, lines, follow, as_json)
 
 
 # --------------------------------------------------------------------------- watch

@@ -29,6 +29,7 @@ from uapplace.core.errors import InvalidArgument
 from uapplace.core.model import DEFAULT_CELLS
 from uapplace.core.steps import REVALIDATE
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
+from uapplace.io.unitlogs import split_last_lines
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,9 @@ def _finish_result(result: dict[str, Any], as_json: bool, what: str) -> None:
         if result.get("rolledBack"):
             out.print("  rolled back to the previous residents")
         if result.get("error"):
-            out.print(f"  error: {result['error']}", markup=False)
+            # A failed unit's last lines were printed under its step (docs/placement-rules.md
+            # §4.6, "Failed start"): the error's first line says the rest.
+            error, _last_lines = split_last_lines(str(result["error"]))
+            out.print(f"  error: {error}", markup=False)
     if not result.get("ok"):
         raise typer.Exit(EXIT_REFUSED)

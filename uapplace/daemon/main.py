@@ -50,8 +50,9 @@ from uapplace import __version__
 from uapplace.bus import connection as busio
 from uapplace.bus.util import user_bus_address
 from uapplace.controller.configstate import ConfigState
-from uapplace.core.alerts import AlertKind, Severity
+from uapplace.core.alerts import AlertBoard, AlertKind, Severity
 from uapplace.daemon.wiring import Assembly, build, name_has_owner
+from uapplace.enforce.enforcer import Enforcer
 from uapplace.files.jsonfile import ConfigFileError, check_trusted
 from uapplace.files.paths import BUS_NAME, Paths
 from uapplace.files.timeouts import Timeouts
@@ -137,7 +138,8 @@ class Daemon:
         # From here on a SIGTERM flushes the ledger, even one that comes during wiring.
         self._install_signal_handlers()
         await assembly.start()
-        await report_config_problems(assembly, self.paths)
+        board = assembly.controller.alert_board
+        await report_config_problems(assembly.controller.config.state, self.paths, board)
         log.info("uapplaced %s owns %s on %s", __version__, BUS_NAME, self.address)
         lost = asyncio.ensure_future(bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
         stopped = asyncio.ensure_future(self.stop.wait())
@@ -187,16 +189,17 @@ class Daemon:
 
     async def _reread(self, assembly: Assembly) -> None:
         await assembly.reload()
-        await reload_timeouts(assembly, self.paths.enforcement_timeouts)
-        await report_config_problems(assembly, self.paths)
+        enforcer = assembly.stack.enforcer if assembly.stack is not None else None
+        board = assembly.controller.alert_board
+        await reload_timeouts(self.paths.enforcement_timeouts, enforcer, board)
+        await report_config_problems(assembly.controller.config.state, self.paths, board)
 
 
-async def report_config_problems(assembly: Assembly, paths: Paths) -> int:
+async def report_config_problems(state: ConfigState, paths: Paths, alerts: AlertBoard) -> int:
     """A ``config_error`` alert per file uapplaced could not take (at start and after each
     SIGHUP): the machine-local registry (repo figures in force), the capacity policy (the
     last good one, or none: verify-up refuses) and an untrusted auto policy (auto off).
     A broken repo registry and ledger raise their own. Returns how many it raised."""
-    state = assembly.controller.config.state
     taken: list[tuple[ConfigFileError, str]] = [
         (err, "it is ignored whole: its measurements do not count until it is fixed")
         for err in state.registry_load.errors[:1]
@@ -209,7 +212,7 @@ async def report_config_problems(assembly: Assembly, paths: Paths) -> int:
     except ConfigFileError as untrusted:
         taken.append((untrusted, "auto is off: it is never honoured as standing consent"))
     for problem, kept in taken:
-        assembly.controller.alert_board.raise_alert(
+        alerts.raise_alert(
             AlertKind.CONFIG_ERROR,
             Severity.WARNING,
             str(problem.file),
@@ -218,15 +221,17 @@ async def report_config_problems(assembly: Assembly, paths: Paths) -> int:
     return len(taken)
 
 
-async def reload_timeouts(assembly: Assembly, path: Path) -> Timeouts | None:
-    """SIGHUP: ``path`` re-read (in a thread) and handed to the enforcer; a bad or untrusted
-    file keeps the timeouts in force (an error line and a ``config_error`` alert naming
-    it). Returns the timeouts now in force, ``None`` when nothing enforces here."""
+async def reload_timeouts(
+    path: Path, enforcer: Enforcer | None, alerts: AlertBoard
+) -> Timeouts | None:
+    """SIGHUP: ``path`` re-read (in a thread) and handed to ``enforcer`` (``None``: nothing
+    enforces here); a bad or untrusted file keeps the timeouts in force, with an error
+    line and a ``config_error`` alert naming it. Returns the timeouts read, or ``None``."""
     try:
         timeouts = await asyncio.to_thread(Timeouts.load, path)
     except ConfigFileError as err:
         log.error("enforcement timeouts reload failed, keeping the ones in force: %s", err)
-        assembly.controller.alert_board.raise_alert(
+        alerts.raise_alert(
             AlertKind.CONFIG_ERROR,
             Severity.WARNING,
             str(err.file),
@@ -234,10 +239,9 @@ async def reload_timeouts(assembly: Assembly, path: Path) -> Timeouts | None:
             "had until the file is fixed",
         )
         return None
-    if assembly.stack is None:
-        return None
-    assembly.stack.enforcer.use_timeouts(timeouts)
-    log.info("enforcement timeouts re-read from %s (defaults where it is silent)", path)
+    if enforcer is not None:
+        enforcer.use_timeouts(timeouts)
+        log.info("enforcement timeouts re-read from %s (defaults where it is silent)", path)
     return timeouts
 
 

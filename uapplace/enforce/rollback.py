@@ -27,6 +27,10 @@ the idle sweep; or ``origin`` given, e.g. a notification click) that fails or
 rolls back also raises a ``enforcement_failed`` warning (:func:`alert_unattended`),
 since nobody is watching its result.
 
+A failed step whose unit failed carries the unit's last lines below its first line
+(:func:`uapplace.enforce.steps.failed_unit_text`); the run's ``error`` and both alerts
+keep them last, after their own words (docs/placement-rules.md §4.6, "Failed start").
+
 Called by :mod:`uapplace.enforce.enforcer` (the sequence driver).
 """
 
@@ -60,8 +64,9 @@ from uapplace.enforce.run import (
     Target,
     paused_resident,
 )
-from uapplace.enforce.steps import forced_stop
+from uapplace.enforce.steps import failed_unit_text, forced_stop
 from uapplace.files.timeouts import UpBound
+from uapplace.io.unitlogs import block_lines, split_last_lines
 from uapplace.io.units import DOWN_STATES, outcome_text, state_text, stop_wait_s, unit_of
 from uapplace.publish import verify
 
@@ -73,7 +78,9 @@ async def failed_result(
 ) -> EnforcementResult:
     """Roll back; on an incomplete rollback raise it everywhere (module docstring)."""
     restore, running = await rollback(ctx, run, target)
-    error = f"{failure.step}: {failure.detail}"
+    # The failed unit's last lines (docs/placement-rules.md §4.6, "Failed start") stay last.
+    detail, last_lines = split_last_lines(failure.detail)
+    error = f"{failure.step}: {detail}"
     if restore.complete:
         error += f"; {ROLLED_BACK}"
     else:
@@ -81,6 +88,7 @@ async def failed_result(
         alert_incomplete(ctx, run, target, failure, restore, running)
         if target.entry is not None:
             ctx.host.resolve_entry(target.entry.id, FAILED_OUTCOME)
+    error += last_lines
     return EnforcementResult(
         False,
         run.run_id,
@@ -180,15 +188,17 @@ async def _restart_victims(ctx: RunContext, run: Run, target: Target, restore: R
         if not outcome.ok:
             state = await ctx.follower.state_text(unit)
             why = f"{unit}: start job {outcome_text(outcome)}; unit {state}"
-            run.record(ROLLBACK_START, False, why)
+            # Its own last lines in the step; the one-line why in the ROLLBACK INCOMPLETE text.
+            run.record(ROLLBACK_START, False, await failed_unit_text(ctx, unit, why))
             restore.fail(unit, why)
             continue
         run.record(ROLLBACK_START, True, f"restarted {unit} ({label})")
         ok, detail = await _verify_victim(ctx, unit, victim)
-        run.record(ROLLBACK_VERIFY, ok, detail)
         if ok:
+            run.record(ROLLBACK_VERIFY, True, detail)
             restore.restored.add(unit)
         else:
+            run.record(ROLLBACK_VERIFY, False, await failed_unit_text(ctx, unit, detail))
             restore.fail(unit, detail)
 
 
@@ -294,6 +304,7 @@ def alert_incomplete(
             lost_by_device.setdefault(victim.device, []).append(victim)
     if not lost_by_device:  # nothing lost, but the new unit could not be stopped
         lost_by_device[target.device] = []
+    detail, last_lines = split_last_lines(failure.detail)
     for device, lost in sorted(lost_by_device.items()):
         ctx.raise_safely(
             AlertKind.ROLLBACK_INCOMPLETE,
@@ -305,7 +316,8 @@ def alert_incomplete(
                 "run": run.what,
                 "placementId": target.entry.id if target.entry is not None else None,
                 "failedStep": failure.step,
-                "failure": failure.detail,
+                "failure": detail,
+                "lastLines": block_lines(last_lines),
                 "notRestored": [
                     {
                         "model": v.model,
@@ -344,10 +356,11 @@ def _incomplete_message(
         if here
         else f"{device} is now EMPTY (it had {had})"
     )
+    detail, last_lines = split_last_lines(failure.detail)
     return (
         f"{ROLLBACK_INCOMPLETE} on {device}: {run.what} failed at {failure.step} "
-        f"({failure.detail}) and could not restore {what}. {now}. Rollback is tried once, "
-        "never looped: start the units by hand once the cause is fixed."
+        f"({detail}) and could not restore {what}. {now}. Rollback is tried once, "
+        f"never looped: start the units by hand once the cause is fixed.{last_lines}"
     )
 
 
@@ -377,16 +390,19 @@ def alert_unattended(
         else "was refused before anything stopped"
     )
     running = ", ".join(r.text() for r in result.running_after or ()) or "nothing"
+    # A failed unit's last lines (docs/placement-rules.md §4.6, "Failed start") go last.
+    error, last_lines = split_last_lines(result.error or "")
     ctx.raise_safely(
         AlertKind.ENFORCEMENT_FAILED,
         Severity.WARNING,
         target.requested,
-        f"{origin}: {run.what} {how}: {result.error}. Running now: {running}.",
+        f"{origin}: {run.what} {how}: {error}. Running now: {running}.{last_lines}",
         {
             "runId": run.run_id,
             "run": run.what,
             "origin": origin,
             "error": result.error,
+            "lastLines": block_lines(last_lines),
             "runningAfter": [r.to_json() for r in result.running_after or ()],
         },
     )

@@ -47,6 +47,10 @@ wake steps are :mod:`uapplace.enforce.pause`, the undoing ones :mod:`uapplace.en
   200 (polled from 50 ms with backoff; a unit that turns ``failed`` or
   ``inactive`` ends the wait at once), ``/v1/models`` serving the requested id
   or one the model advertises, and the capacity policy's ``metricsMustMatch``.
+  A start job that fails, or a unit that goes down (or is not healthy in time), is
+  failed with the unit's own last lines below the detail (:func:`failed_unit_text`,
+  :mod:`uapplace.io.unitlogs`: ``failed to load model`` …; docs/placement-rules.md §4.6,
+  "Failed start").
 - **refresh-proxy** invalidates the proxy's cached upstream view. A failure is
   a failed step, never a failed run.
 - **resolve**: the new resident ``hot``, the victims gone, the pending entries
@@ -100,7 +104,7 @@ from uapplace.enforce.run import (
     Target,
     paused_resident,
 )
-from uapplace.io import busy
+from uapplace.io import busy, unitlogs
 from uapplace.io.engines import ProxyTokenRejected
 from uapplace.io.router import model_query
 from uapplace.io.units import (
@@ -108,6 +112,7 @@ from uapplace.io.units import (
     UnitState,
     forced_stop_text,
     outcome_text,
+    state_text,
     stop_wait_s,
     unit_of,
     units_of,
@@ -524,10 +529,20 @@ async def start(ctx: RunContext, run: Run, target: Target) -> None:
     ctx.follower.watch(unit)
     outcome = await ctx.units.start_unit(unit, ctx.timeouts.start_s)
     if not outcome.ok:
-        state = await ctx.follower.state_text(unit)
-        raise run.fail(START, f"{unit}: start job {outcome_text(outcome)}; unit {state}")
+        state = await ctx.follower.fresh(unit)
+        seen = state_text(state) if state is not None else "state unknown"
+        detail = f"{unit}: start job {outcome_text(outcome)}; unit {seen}"
+        raise run.fail(START, await unitlogs.with_last_lines(detail, unit, state))
     run.record(START, True, f"started {unit}")
     await journal_step(ctx, run, target, VERIFY_UP)
+
+
+async def failed_unit_text(ctx: RunContext, unit: str, text: str) -> str:
+    """``text`` and, below it, the last lines ``unit`` wrote in its latest run: a unit
+    that failed to come up says why on its own stderr, systemd only that it ended
+    (docs/placement-rules.md §4.6, "Failed start"). Unchanged where nothing is known of
+    where it writes."""
+    return await unitlogs.with_last_lines(text, unit, await ctx.follower.fresh(unit))
 
 
 async def verify_up(ctx: RunContext, run: Run, target: Target) -> None:
@@ -542,7 +557,8 @@ async def verify_up(ctx: RunContext, run: Run, target: Target) -> None:
     healthy = await verify.wait_up(unit, endpoint, bound.seconds, ctx.follower.up_watch(unit))
     if healthy is not None:
         # The bound passed (or the unit went down): roll back at once, never wait more.
-        raise run.fail(VERIFY_UP, f"{healthy}; {bound.text()}")
+        detail = await failed_unit_text(ctx, unit, f"{healthy}; {bound.text()}")
+        raise run.fail(VERIFY_UP, detail)
     if endpoint is None:
         run.record(
             VERIFY_UP, True, f"{unit} active; no endpoint in the registry to probe; {bound.text()}"

@@ -6,7 +6,9 @@ writer (``jsonfile``), the registry (``registry``, ``registry_schema``,
 ``placement.json`` (``ledger``, ``ledger_schema``), the enforcement journal
 (``journal``), the timeouts file (``timeouts``), the standing-consent policy
 (``autopolicy``) and the shim's dashboard token (``token``). Pydantic lives here, at
-the edge; what a file holds is handed inward as ``core.model`` dataclasses.
+the edge; what a file holds is handed inward as ``core.model`` dataclasses. Every file
+uapplaced takes orders from is read ``trusted`` (owned by its user or root, writable by
+no one else) and every number in it has a range (docs/placement-rules.md §4.7).
 
 May import: ``core``.
 """

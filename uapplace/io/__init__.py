@@ -3,9 +3,10 @@
 Owns pystemd unit control (``units``), device probes: NVML, the simulated GPU, the
 host (``devices``), engine and proxy HTTP probes (``engines``), what an engine says of
 its own in-flight work (``busy``, the drain's second source), llama.cpp routers'
-model load/unload and status (``router``), per-target rails
-(``rails``), the daemon's counters (``counters``) and the Protocols enforcement and
-recovery see these through (``seams``: fakes stand in for them in the unit tier).
+model load/unload and status (``router``), a unit's own last lines from the journal or
+its log file (``unitlogs``), per-target rails (``rails``), the daemon's counters
+(``counters``) and the Protocols enforcement and recovery see these through (``seams``:
+fakes stand in for them in the unit tier).
 
 May import: ``core``, ``files``, ``bus``, ``sim`` (the simulated GPU state file).
 """

@@ -91,6 +91,34 @@ class JobOutcome:
 
 
 @dataclass(frozen=True)
+class LogFacts:
+    """Where a unit's output goes, and its latest run, as the user manager reports them:
+    what :mod:`uapplace.io.unitlogs` needs to find the unit's last lines. Set by a read
+    (:meth:`UnitManager.state`), never from a signal.
+
+    ``invocation_id`` is the latest run's ``InvocationID`` (32 hex digits; "" when the unit
+    has not run in this manager's life); ``started_usec`` when that run began
+    (``InactiveExitTimestamp``, µs since the epoch; 0 unknown); ``stdout`` and ``stderr``
+    the ``StandardOutput=``/``StandardError=`` kinds (``journal``, ``append``, ``file``,
+    ``truncate``, ``inherit``, ``null`` …: the manager names the kind, never the file);
+    ``fragment_path`` and ``dropin_paths`` the unit file and its drop-ins in the order
+    systemd applied them, which do name it.
+    """
+
+    invocation_id: str = ""
+    started_usec: int = 0
+    stdout: str = ""
+    stderr: str = ""
+    fragment_path: str = ""
+    dropin_paths: tuple[str, ...] = ()
+
+    @property
+    def known(self) -> bool:
+        """Whether anything was read (a unit-tier fake's state carries none)."""
+        return self != LogFacts()
+
+
+@dataclass(frozen=True)
 class UnitState:
     """A unit as systemd reports it. ``main_pid`` 0: none; ``exec_start`` "" for non-services.
 
@@ -105,6 +133,7 @@ class UnitState:
     status or the signal number), 0 while it runs or for non-services.
     ``timeout_stop_s`` is the service's ``TimeoutStopSec=`` (``TimeoutStopUSec``), after
     which systemd ``SIGKILL``s what is left; ``None`` when infinite or not read.
+    ``log_facts``: where its output goes and its latest run (:class:`LogFacts`).
     """
 
     active_state: str
@@ -118,6 +147,7 @@ class UnitState:
     exec_main_code: int = 0
     exec_main_status: int = 0
     timeout_stop_s: float | None = None
+    log_facts: LogFacts = LogFacts()
 
 
 # What an ``ActiveState`` means to us: the one definition of each set of unit states.
@@ -259,6 +289,18 @@ def _merge(state: UnitState, props: Mapping[bytes, Any]) -> UnitState:
     return replace(state, **changes)
 
 
+def _log_facts(unit_props: Mapping[bytes, Any], service_props: Mapping[bytes, Any]) -> LogFacts:
+    invocation = bytes(unit_props.get(b"InvocationID") or b"")
+    return LogFacts(
+        invocation_id=invocation.hex() if any(invocation) else "",
+        started_usec=int(unit_props.get(b"InactiveExitTimestamp") or 0),
+        stdout=_text(service_props.get(b"StandardOutput") or ""),
+        stderr=_text(service_props.get(b"StandardError") or ""),
+        fragment_path=_text(unit_props.get(b"FragmentPath") or ""),
+        dropin_paths=tuple(_text(p) for p in unit_props.get(b"DropInPaths") or ()),
+    )
+
+
 _UNKNOWN = UnitState(active_state="", sub_state="", load_state="", main_pid=0, exec_start="")
 
 
@@ -278,6 +320,7 @@ def signalled_with_read(signalled: UnitState, read: UnitState) -> UnitState:
         exec_paths=read.exec_paths,
         load_error=read.load_error,
         timeout_stop_s=read.timeout_stop_s,
+        log_facts=read.log_facts,
     )
 
 
@@ -486,11 +529,11 @@ class UnitManager:
         path = self._call_manager(b"LoadUnit", b"s", [unit.encode()])
         props = self._call(path, PROPERTIES_IFACE, b"GetAll", b"s", [UNIT_IFACE])
         state = _merge(_UNKNOWN, props)
+        service: Mapping[bytes, Any] = {}
         if unit.endswith(".service"):
-            state = _merge(
-                state, self._call(path, PROPERTIES_IFACE, b"GetAll", b"s", [SERVICE_IFACE])
-            )
-        return state
+            service = self._call(path, PROPERTIES_IFACE, b"GetAll", b"s", [SERVICE_IFACE])
+            state = _merge(state, service)
+        return replace(state, log_facts=_log_facts(props, service))
 
     def _read_pids(self, unit: str) -> list[int]:
         try:

@@ -29,7 +29,10 @@ its bus call and who may call it:
   something;
 - ``GET /metrics`` (Prometheus text; gauges from ``GetState``), ``GET /openapi.json``: open.
 
-Access. Every request must come from a loopback peer (``127.0.0.1``, ``::1``,
+Access. Only the shim's own user (and ``--allow-uid`` uids): each connection's peer
+uid is asked of the kernel when it is accepted (:mod:`~uapplace.shim.peers`), and
+another user's connection gets ``403`` naming its uid before any route, logged once per
+10 s. Every request must come from a loopback peer (``127.0.0.1``, ``::1``,
 ``::ffff:127.0.0.1``); admit answers anything else ``403 {"error": "placement
 admit is loopback-only"}`` before its body is read. Routes other than admit also
 require a loopback ``Host`` header (or none), so a web page that rebinds a DNS
@@ -49,16 +52,19 @@ a body within ``--body-timeout`` (10 s), else ``408`` and the connection closed.
 At most ``--max-connections`` (512, lowered to fit ``RLIMIT_NOFILE``) connections
 are served at once; one over that gets ``503`` at once, unread, and is closed,
 with one warning per 10 s, not one per connection. A client that hangs up
-mid-body is a debug line, not an error.
+mid-body is a debug line, not an error; a request aiohttp cannot parse is one
+INFO line, never a traceback. Each SSE subscriber reads its own bounded queue and a
+slow one is dropped with a final ``StreamClosed`` event (docs/http-contract.md §5).
 
-Why 13 modules: the shim is one process with its own command line, sockets, middleware,
+Why 14 modules: the shim is one process with its own command line, sockets, middleware,
 routes, bodies and exposition; each concern below is one module, and none of them is
 used outside the shim.
 
 The modules, each owning one concern:
 
 - :mod:`~uapplace.shim.server`: the command line, the sockets, the serve loop (:func:`main`);
-- :mod:`~uapplace.shim.overload`: the connection cap and descriptor limits;
+- :mod:`~uapplace.shim.overload`: the connection cap, descriptor limits, quiet bad requests;
+- :mod:`~uapplace.shim.peers`: each connection's peer uid, the gate for other users;
 - :mod:`~uapplace.shim.app`: the aiohttp app, its middleware and lifecycle;
 - :mod:`~uapplace.shim.routes`: the route table;
 - :mod:`~uapplace.shim.access`: loopback, ``Host``/``Origin``, JSON-only admit, the token;

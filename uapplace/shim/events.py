@@ -58,8 +58,9 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0
 SSE_BATCH_S = 0.05
 """The least time between two writes to one stream: events meanwhile go out together."""
-CLOSE_GRACE_S = 2.0
-"""After the final event, how long a stream's connection may take to close cleanly."""
+CLOSE_GRACE_S = 10.0
+"""After the final event, how long a dropped reader has to read up to it before its
+connection is cut (a reader that never reads cannot get it; one that is only slow can)."""
 SEND_BUFFER_BYTES = 64 * 1024
 """The kernel send buffer of an SSE connection (``SO_SNDBUF``): loopback autotuning would
 let a reader that never reads hold megabytes before the shim even notices."""

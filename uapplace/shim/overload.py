@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import resource
 import socket
 import time
@@ -40,6 +41,7 @@ OVERLOAD_RESPONSE = (
 )
 """What a connection over the cap gets, without a byte of its request being read."""
 ACCEPT_EXHAUSTED = "socket.accept() out of system resource"
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class _Refusal(asyncio.Protocol):
@@ -106,7 +108,8 @@ class QuietBadRequests(logging.LoggerAdapter):  # type: ignore[type-arg]
 def one_line(text: str, limit: int = 200) -> str:
     """A parser's multi-line message as one line, control characters escaped, cut."""
     flat = " ".join(part.strip() for part in text.splitlines() if part.strip())
-    shown = flat.encode("ascii", "backslashreplace").decode("ascii")
+    escaped = _CONTROLS.sub(lambda found: f"\\x{ord(found.group()):02x}", flat)
+    shown = escaped.encode("ascii", "backslashreplace").decode("ascii")
     return shown if len(shown) <= limit else shown[:limit] + "…"
 
 

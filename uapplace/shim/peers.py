@@ -1,5 +1,5 @@
 """Who opened a connection: the peer's uid from the kernel's socket tables, and the gate
-that serves the shim's own user only (docs/http-contract.md §5, "Other users").
+that serves the shim's own user only (docs/http-contract.md §5).
 
 Every user on the machine can reach a loopback port; only the user the shim runs as
 (and the uids named with ``--allow-uid``) may use it. TCP carries no credentials, but on
