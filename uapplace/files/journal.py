@@ -320,9 +320,10 @@ class Journal:
 
         Raises :class:`JournalError` for a file that is too large, not a regular
         file, owned by another user or writable by group or others (recovery would act
-        on it: docs/placement-rules.md §4.7), not JSON, too deeply nested, with a ``NaN``/``Infinity`` or a duplicate
-        key (:func:`uapplace.files.jsonfile.parse_json`, the checked parser every file of
-        uapplace goes through), or not the schema (naming the field).
+        on it: docs/placement-rules.md §4.7), not JSON, too deeply nested, with a
+        ``NaN``/``Infinity`` or a duplicate key (:func:`uapplace.files.jsonfile.parse_json`,
+        the checked parser every file of uapplace goes through), or not the schema (naming
+        the field).
         """
         try:
             raw = read_capped_or_none(self.path, MAX_JOURNAL_BYTES, trusted=True)

@@ -28,8 +28,9 @@ never a traceback:
 - **Duplicate keys** in one object are refused (in a hand-edited file the second one
   is a typo that would otherwise silently win).
 - **Owner and mode** (``trusted=True``: the registries, the capacity, auto and timeouts
-  policies, the ledger, the enforcement journal; docs/placement-rules.md §4.7). A file uapplaced takes orders from
-  must be owned by the user it runs as (or root) and not writable by group or others, as
+  policies, the ledger, the enforcement journal; docs/placement-rules.md §4.7). A file
+  uapplaced takes orders from must be owned by the user it runs as (or root) and not
+  writable by group or others, as
   ``ssh`` requires of ``authorized_keys``: anyone else who can write it could make
   uapplaced stop models. Such a file is refused whole, :class:`UntrustedFile` naming the
   file, its owner and its mode; it is checked on the descriptor that is read, so a
