@@ -248,7 +248,13 @@ async def test_the_apply_button_runs_the_enforcement(machine: Machine) -> None:
 
     resolved = await machine.until("both parks resolved", both_resolved)
     assert resolved[first] == resolved[second] == "applied"
-    steps = machine.signals.steps()
+    # Resolved is signalled inside the resolve step, before that step's own signal.
+    steps = await machine.until(
+        "every step signalled",
+        lambda: (
+            machine.signals.steps() if len(machine.signals.steps()) >= len(APPLY_STEPS) else None
+        ),
+    )
     assert [s for s, _ok, _d in steps] == APPLY_STEPS
     assert all(ok for _s, ok, _d in steps), steps
     assert await machine.active("alpha") == "inactive"

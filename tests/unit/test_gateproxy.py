@@ -180,8 +180,8 @@ async def test_anthropic_park_is_the_exact_409(stack: Stack) -> None:
         "type": "error",
         "error": {
             "type": "model_placement_pending",
-            "message": "model beta is not loaded; see the options with `uapplace pending`, "
-            "approve one with `uapplace apply plc-0a1b2c <option>`",
+            "message": "model beta is not loaded; resolve with `uapplace pending` "
+            "(placement plc-0a1b2c)",
             "placement_id": "plc-0a1b2c",
             "requested_model": "beta",
             "reason": "not_resident",
@@ -197,8 +197,8 @@ async def test_openai_park_is_the_openai_409(stack: Stack) -> None:
     assert (status, headers["Retry-After"]) == (409, "2")
     assert body == {
         "error": {
-            "message": "model beta is not loaded; see the options with `uapplace pending`, "
-            "approve one with `uapplace apply plc-00ff00 <option>`",
+            "message": "model beta is not loaded; resolve with `uapplace pending` "
+            "(placement plc-00ff00)",
             "type": "upstream_error",
         }
     }
