@@ -262,30 +262,33 @@ def _load_error(value: Any) -> str:
     return message or name
 
 
+def _timeout_s(value: Any) -> float | None:
+    usec = int(value)
+    return None if usec >= USEC_INFINITY else usec / 1e6
+
+
+# Each unit property a signal or a read may carry: the UnitState fields it sets, and how.
+_PROPERTY_FIELDS: dict[bytes, tuple[tuple[str, Callable[[Any], Any]], ...]] = {
+    b"ActiveState": (("active_state", _text),),
+    b"SubState": (("sub_state", _text),),
+    b"LoadState": (("load_state", _text),),
+    b"MainPID": (("main_pid", int),),
+    b"ExecStart": (("exec_start", _exec_start_text), ("exec_paths", _exec_paths)),
+    b"LoadError": (("load_error", _load_error),),
+    b"Result": (("result", _text),),
+    b"ExecMainCode": (("exec_main_code", int),),
+    b"ExecMainStatus": (("exec_main_status", int),),
+    b"TimeoutStopUSec": (("timeout_stop_s", _timeout_s),),
+}
+
+
 def _merge(state: UnitState, props: Mapping[bytes, Any]) -> UnitState:
-    changes: dict[str, Any] = {}
-    if b"ActiveState" in props:
-        changes["active_state"] = _text(props[b"ActiveState"])
-    if b"SubState" in props:
-        changes["sub_state"] = _text(props[b"SubState"])
-    if b"LoadState" in props:
-        changes["load_state"] = _text(props[b"LoadState"])
-    if b"MainPID" in props:
-        changes["main_pid"] = int(props[b"MainPID"])
-    if b"ExecStart" in props:
-        changes["exec_start"] = _exec_start_text(props[b"ExecStart"])
-        changes["exec_paths"] = _exec_paths(props[b"ExecStart"])
-    if b"LoadError" in props:
-        changes["load_error"] = _load_error(props[b"LoadError"])
-    if b"Result" in props:
-        changes["result"] = _text(props[b"Result"])
-    if b"ExecMainCode" in props:
-        changes["exec_main_code"] = int(props[b"ExecMainCode"])
-    if b"ExecMainStatus" in props:
-        changes["exec_main_status"] = int(props[b"ExecMainStatus"])
-    if b"TimeoutStopUSec" in props:
-        usec = int(props[b"TimeoutStopUSec"])
-        changes["timeout_stop_s"] = None if usec >= USEC_INFINITY else usec / 1e6
+    changes = {
+        field: convert(props[name])
+        for name, fields in _PROPERTY_FIELDS.items()
+        if name in props
+        for field, convert in fields
+    }
     return replace(state, **changes)
 
 
