@@ -74,6 +74,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import real_swap  # noqa: E402
+from bench.shell_swap import shell_swap  # noqa: E402
 
 TARGET_RATIO = 1.10
 PAUSE_TARGET_RATIO = 0.2
@@ -88,27 +89,6 @@ class Samples:
 
 
 # --------------------------------------------------------------------------- the two ways
-
-
-def baseline_script(box: Sandbox, stop: DemoModel, start: DemoModel) -> str:
-    health = f"{box.endpoint(start)}/health"
-    return (
-        f"systemctl --user stop {shlex.quote(stop.unit)}; "
-        f"systemctl --user start {shlex.quote(start.unit)}; "
-        f"until curl -sf -o /dev/null {shlex.quote(health)}; do sleep 0.05; done"
-    )
-
-
-async def baseline_swap(box: Sandbox, stop: DemoModel, start: DemoModel) -> float:
-    script = baseline_script(box, stop, start)
-    started = time.perf_counter()
-    proc = await asyncio.create_subprocess_exec("bash", "-c", script, env=box.client_env())
-    async with asyncio.timeout(GUARD_S):
-        code = await proc.wait()
-    elapsed = time.perf_counter() - started
-    if code != 0:
-        raise RuntimeError(f"baseline script failed ({code}): {script}")
-    return elapsed
 
 
 class Enforcement:
@@ -291,7 +271,7 @@ async def run(rounds: int, via: str, daemon_cmd: str | None) -> Samples:
         a, b = CODER, WRITER
 
         async def one_round(record: bool) -> None:
-            took = await baseline_swap(box, a, b)
+            took = await shell_swap(box, a, b)
             await way.wait_resident(b)
             timed = [("baseline", f"{a.key} → {b.key}", took)]
             for start in (a, b):
@@ -300,7 +280,7 @@ async def run(rounds: int, via: str, daemon_cmd: str | None) -> Samples:
                 if record:
                     for step, seconds in steps.items():
                         samples.steps.setdefault(step, []).append(seconds)
-            took = await baseline_swap(box, b, a)
+            took = await shell_swap(box, b, a)
             await way.wait_resident(a)
             timed.append(("baseline", f"{b.key} → {a.key}", took))
             for kind, what, seconds in timed:

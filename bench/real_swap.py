@@ -53,6 +53,7 @@ from typing import Any
 import aiohttp
 from dbus_fast import Message, MessageType
 
+from bench.shell_swap import POLL_S, shell_swap
 from uapplace.bus.client import PlacementClient
 from uapplace.demo.real_engine import engine_problem, measure_models, missing_engine_text
 from uapplace.demo.sandbox import (
@@ -70,8 +71,6 @@ GOAL_RUN = 1.02
 GOAL_END_TO_END = 1.10
 GUARD_S = 120.0
 """A hang guard for one switch (or one CLI process); never an assertion about speed."""
-POLL_S = 0.05
-"""Every poll here and in the shell baseline: 50 ms."""
 EXIT_NO_ENGINE = 2
 NO_OPTIONS_S = 5.0
 """A parked request still without options after this long has none (Preview says why)."""
@@ -89,30 +88,6 @@ class SwapSamples:
 class RouterSamples:
     cold: list[float] = field(default_factory=list)
     router: list[float] = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------- the shell
-
-
-def shell_script(box: Sandbox, stop: DemoModel, start: DemoModel) -> str:
-    health = f"{box.endpoint(start)}/health"
-    return (
-        f"systemctl --user stop {shlex.quote(stop.unit)}; "
-        f"systemctl --user start {shlex.quote(start.unit)}; "
-        f"until curl -sf -o /dev/null {shlex.quote(health)}; do sleep {POLL_S:g}; done"
-    )
-
-
-async def shell_swap(box: Sandbox, stop: DemoModel, start: DemoModel) -> float:
-    script = shell_script(box, stop, start)
-    started = time.perf_counter()
-    proc = await asyncio.create_subprocess_exec("bash", "-c", script, env=box.client_env())
-    async with asyncio.timeout(GUARD_S):
-        code = await proc.wait()
-    elapsed = time.perf_counter() - started
-    if code != 0:
-        raise RuntimeError(f"the shell swap failed ({code}): {script}")
-    return elapsed
 
 
 # --------------------------------------------------------------------------- uapplace
@@ -257,7 +232,7 @@ async def run_swap(binary: Path, rounds: int) -> SwapSamples:
 
         async def one_round(record: bool) -> None:
             timed: list[tuple[str, str, float, float | None]] = []
-            took = await shell_swap(box, a, b)
+            took = await shell_swap(box, a, b, GUARD_S)
             await swaps.wait_hot(b)
             timed.append(("shell", f"{a.key} → {b.key}", took, None))
             for start in (a, b):
@@ -268,7 +243,7 @@ async def run_swap(binary: Path, rounds: int) -> SwapSamples:
                     samples.run.append(run)
                     for step, seconds in steps.items():
                         samples.steps.setdefault(step, []).append(seconds)
-            took = await shell_swap(box, b, a)
+            took = await shell_swap(box, b, a, GUARD_S)
             await swaps.wait_hot(a)
             timed.append(("shell", f"{b.key} → {a.key}", took, None))
             for kind, what, seconds, run_s in timed:
@@ -418,14 +393,14 @@ async def run_router(binary: Path, rounds: int) -> RouterSamples:
         await box.start_unit(a)
 
         async def one_round(record: bool) -> None:
-            timed = [("cold", f"{a.key} → {b.key}", await shell_swap(box, a, b))]
+            timed = [("cold", f"{a.key} → {b.key}", await shell_swap(box, a, b, GUARD_S))]
             timed.append(
                 ("router", f"{a.key} → {b.key}", await router.switch(ids[a.key], ids[b.key]))
             )
             timed.append(
                 ("router", f"{b.key} → {a.key}", await router.switch(ids[b.key], ids[a.key]))
             )
-            timed.append(("cold", f"{b.key} → {a.key}", await shell_swap(box, b, a)))
+            timed.append(("cold", f"{b.key} → {a.key}", await shell_swap(box, b, a, GUARD_S)))
             for kind, what, seconds in timed:
                 print(
                     f"  {kind if record else f'({kind})':8} {what:18} {seconds * 1000:8.1f} ms",

@@ -208,7 +208,9 @@ async def test_a_victim_that_cannot_tell_is_sigkilled_and_uapplace_says_so(
     assert (state.active_state, state.result) == ("failed", "timeout")
     assert (state.exec_main_code, state.exec_main_status) == (CLD_KILLED, 9)
     assert await llama.units.pids(alpha.name) == []
-    assert "cleaning up before exit" in llama.engine_log("alpha"), "it got SIGTERM, and hung"
+    # result "timeout" is systemd's word for "SIGTERM sent, the process outlived
+    # TimeoutStopSec="; llama-server's own "cleaning up before exit" line is written by a
+    # log thread the SIGKILL may beat, so the engine log is no evidence either way.
     assert isinstance(cut, str), f"the generation was cut, not answered: {cut}"
 
     [alert] = await llama.alerts("forced_stop")
