@@ -63,6 +63,7 @@ bench: setup
 	$(BIN)/python bench/bench_admission.py
 	$(BIN)/python bench/bench_bus.py
 	$(BIN)/python bench/bench_shim.py
+	$(BIN)/python bench/bench_gate.py
 	$(BIN)/python bench/bench_sse_admit.py
 	$(BIN)/python bench/bench_swap.py
 	$(BIN)/python bench/flood_rss.py

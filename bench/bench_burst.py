@@ -26,14 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,11 +44,11 @@ from tests.bus.burst import (  # noqa: E402
     spawn_daemon_unfixed,
 )
 from tests.bus.conftest import (  # noqa: E402
-    SEEDED_PORT,
     DaemonProcess,
     UapEnv,
     make_env,
     name_has_owner,
+    seeded_engine_running,
     spawn_daemon,
     wait_published,
     wait_until,
@@ -82,31 +78,6 @@ class Tally:
         )
 
 
-@contextlib.contextmanager
-def seeded_engine(directory: Path) -> Iterator[None]:
-    """The fake engine serving ``alpha`` where the seeded ledger says (so ``Admit`` forwards)."""
-    log_path = directory / "engine.log"
-    argv = [sys.executable, "-m", "uapplace.sim.engine", "--port", str(SEEDED_PORT)]
-    argv += ["--model-id", "alpha", "--advertise", "alpha-chat"]
-    env = {k: v for k, v in os.environ.items() if k != "UAPPLACE_SIM_GPU"}
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(
-            lambda: (
-                "listening on" in log_path.read_text(errors="replace") or process.poll() is not None
-            ),
-            "the fake engine to listen",
-            STARTUP_TIMEOUT_S,
-        )
-        if process.poll() is not None:
-            raise RuntimeError(f"the fake engine exited:\n{log_path.read_text()}")
-        yield
-    finally:
-        process.terminate()
-        process.wait(timeout=15)
-
-
 def start(uap: UapEnv, fixed: bool) -> DaemonProcess:
     daemon = spawn_daemon(uap) if fixed else spawn_daemon_unfixed(uap)
     wait_until(
@@ -130,7 +101,7 @@ def measure(label: str, fixed: bool, args: argparse.Namespace) -> Tally:
     with (
         tempfile.TemporaryDirectory(prefix="bench-burst-") as raw,
         private_bus("session", Path(raw)) as address,
-        seeded_engine(Path(raw)),
+        seeded_engine_running(Path(raw)),
     ):
         uap = make_env(Path(raw) / "world", address)
         uap.seed_ledger(SEEDED_LEDGER)

@@ -37,8 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.bench_shim import seeded_engine  # noqa: E402
 from bench.private_daemon import daemon_env, spawn_daemon, stop  # noqa: E402
 from tests.bus.burst import admit_call  # noqa: E402
+from tests.bus.conftest import SEEDED_ENDPOINT, wait_published  # noqa: E402
 from tests.bus.dbusmock_fixtures import private_bus  # noqa: E402
 from tests.worlds.seed_docs import alpha_ledger, alpha_model  # noqa: E402
 from uapplace.files.paths import BUS_NAME  # noqa: E402
@@ -58,7 +60,8 @@ REGISTRY = {
     },
     "models": {"alpha": alpha_model(rails=1)},
 }
-LEDGER = alpha_ledger()
+LEDGER = alpha_ledger(SEEDED_ENDPOINT)
+"""``alpha`` where :func:`bench.bench_shim.seeded_engine` serves it: Admit *forwards*."""
 
 
 # --------------------------------------------------------------------------- the echo service
@@ -176,13 +179,23 @@ async def wait_for_name(address: str, name: str, process: subprocess.Popen[bytes
 # --------------------------------------------------------------------------- main
 
 
+def on_cpu_ns(pid: int) -> int:
+    """Nanoseconds the main thread of ``pid`` (the one running its loop) has spent on a CPU.
+
+    It holds on a busy machine where latency does not: the server's own work per call."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+
+
 async def measure(
-    address: str, make: Callable[[], Message], args: argparse.Namespace
+    address: str, make: Callable[[], Message], args: argparse.Namespace, server: int
 ) -> dict[str, float]:
+    cpu_before = on_cpu_ns(server)
     samples = await sequential(address, make, args.calls)
+    cpu_us = (on_cpu_ns(server) - cpu_before) / 1000 / (args.calls + min(200, args.calls))
     return {
         "p50_us": statistics.median(samples),
         "p99_us": percentile(samples, 0.99),
+        "cpu_us": cpu_us,
         "calls_per_s": await concurrent(address, make, args.callers, args.per_caller),
     }
 
@@ -192,6 +205,7 @@ def report(label: str, rounds: list[dict[str, float]], callers: int) -> dict[str
     row = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
     print(
         f"{label:<20} p50 {row['p50_us']:7.1f} µs   p99 {row['p99_us']:7.1f} µs   "
+        f"server CPU {row['cpu_us']:5.1f} µs/call   "
         f"{callers} callers: {row['calls_per_s']:8.0f} calls/s"
     )
     return row
@@ -203,20 +217,23 @@ async def compare(
     daemon, echo = started
     await wait_for_name(address, BUS_NAME, daemon)
     await wait_for_name(address, ECHO_NAME, echo)
+    await asyncio.to_thread(wait_published, address)
     print(
         f"{args.rounds} interleaved rounds of {args.calls} sequential calls, then "
         f"{args.callers} callers × {args.per_caller} calls; medians over the rounds"
     )
     echo_rounds, admit_rounds = [], []
     for _ in range(args.rounds):
-        echo_rounds.append(await measure(address, echo_message, args))
-        admit_rounds.append(await measure(address, admit_message, args))
+        echo_rounds.append(await measure(address, echo_message, args, echo.pid))
+        admit_rounds.append(await measure(address, admit_message, args, daemon.pid))
     baseline = report("echo (dbus-fast)", echo_rounds, args.callers)
     admit = report("Admit (uapplaced)", admit_rounds, args.callers)
     print(
         f"ratio Admit/echo: p50 {admit['p50_us'] / baseline['p50_us']:.2f}×, "
         f"p99 {admit['p99_us'] / baseline['p99_us']:.2f}×, "
-        f"throughput {baseline['calls_per_s'] / admit['calls_per_s']:.2f}× (echo/Admit calls/s)"
+        f"server CPU {admit['cpu_us'] / baseline['cpu_us']:.2f}×, "
+        f"throughput {baseline['calls_per_s'] / admit['calls_per_s']:.2f}× (echo/Admit calls/s); "
+        "issue 23 goal: p50 <= 1.05×"
     )
 
 
@@ -224,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
     with (
         tempfile.TemporaryDirectory(prefix="bench-bus-") as raw,
         private_bus("session", Path(raw)) as address,
+        seeded_engine(Path(raw)),
     ):
         processes: list[subprocess.Popen[bytes]] = []
         try:

@@ -44,7 +44,10 @@ async def run(cold_s: float, wake_s: float) -> dict[str, Any]:
         stack.callback(client.disconnect)
         await resident(client, CODER.key, 3 * cold_s + 30)
         started = time.monotonic()
-        result: dict[str, Any] = await client.measure_envelope(CODER.key, CODER.config)
+        impact: dict[str, Any] = await client.preview_unload(CODER.key)
+        result: dict[str, Any] = await client.measure_envelope(
+            CODER.key, CODER.config, impact["signature"]
+        )
         result["took_s"] = round(time.monotonic() - started, 2)
         return result
 

@@ -14,6 +14,10 @@ The world: one simulated 24 GiB GPU, three models as real units of a contained
 ``gamma`` 8000: alpha+beta do not fit, the others pair up, all three never), the
 real ``uapplaced`` process (started and restarted by the harness), and the fake
 proxy's internal routes (:mod:`uapplace.sim.proxy`) so drains see "nothing in flight".
+``alpha`` and ``beta`` have a sleep lever (:data:`SLEEPERS`: the engine in vLLM's sleep
+mode, taking :data:`LEVER_S` to sleep and to wake, the config ``pause_lever:
+vllm-sleep-1``), so runs pause and wake them and kills land with a ``/sleep`` or a
+``/wake_up`` in flight (issue 20).
 
 Each step is one random operation:
 
@@ -28,14 +32,18 @@ Each step is one random operation:
 - an engine fault for the unit's next start: ``exit`` at start, ``never-healthy``,
   ``wrong-id``, ``orphan`` (a child keeps the VRAM after the stop), ``slow-stop``;
   or healing it; or a running engine SIGKILLed;
-- ``dismiss`` a pending entry; an idle SIGKILL of the daemon.
+- ``dismiss`` a pending entry; an idle SIGKILL of the daemon;
+- a sleeper's engine put to sleep by hand (``POST /sleep``, not through uapplace), or
+  one put to sleep that way woken by hand (``POST /wake_up``).
 
 After each step it waits until the daemon has settled, then checks docs/invariants.md:
 
 1. **forward**: every forward's target serves the requested id (its ``/v1/models``
-   is read right after the answer);
+   is read right after the answer) and is awake (a sleeper's ``/is_sleeping`` is
+   false: a sleeping vLLM still lists its id, and answers 503);
 2. **truth**: the residents are exactly the registry units that are up (after a
-   restart: within the guard), and every simulated-GPU allocation belongs to an
+   restart: within the guard), no ``hot`` resident's engine is asleep (within the
+   guard: the serving re-check unpublishes it), and every simulated-GPU allocation belongs to an
    up unit's process or to an orphan the daemon reported (``probe_mismatch``,
    ``rollback_incomplete``, ``recovery_needed``);
 3. **never emptier**: a device with residents before an enforcement (or a crash)
@@ -83,17 +91,21 @@ from uapplace.bus.util import bus_daemon_message
 from uapplace.core.steps import (
     DRAIN,
     MARK_DRAINING,
+    PAUSE,
     REFRESH_PROXY,
     ROLLBACK_START,
     ROLLBACK_STOP,
     ROLLBACK_VERIFY,
+    ROLLBACK_WAKE,
     START,
     STOP,
     VERIFY_FREE,
     VERIFY_UP,
+    WAKE,
 )
 from uapplace.files.paths import INTERFACE
 from uapplace.files.registry import local_measurements
+from uapplace.io import engines
 from uapplace.io.units import RUNNING_OR_STARTING_STATES, UnitManager
 from uapplace.sim import proxy as sim_proxy
 from uapplace.sim.gpu import SimGpu, pid_alive, sim_uuid
@@ -102,15 +114,22 @@ from uapplace.sim.usermanager import ContainedUserManager
 DEVICE_MIB = 24576
 MODELS: dict[str, int] = {"alpha": 14000, "beta": 12000, "gamma": 8000}
 CONFIG = {m: f"{m[0]}1" for m in MODELS}
+SLEEPERS = frozenset({"alpha", "beta"})
+"""Models whose engine has a sleep lever (vLLM sleep mode; config ``pause_lever``)."""
+LEVER_S = 0.4
+"""How long a sleeper takes to sleep and to wake: a kill right after the step before
+(``drain`` of a pause run, ``verify-free`` of a wake run) lands with it in flight."""
 FAULTS = ("exit", "never-healthy", "wrong-id", "orphan", "slow-stop")
-ROLLBACK_KILL_STEPS = (ROLLBACK_STOP, ROLLBACK_START, ROLLBACK_VERIFY)
+ROLLBACK_KILL_STEPS = (ROLLBACK_STOP, ROLLBACK_START, ROLLBACK_VERIFY, ROLLBACK_WAKE)
 """Where a run that is likely to roll back is killed."""
 KILL_STEPS = (
     MARK_DRAINING,
     DRAIN,
+    PAUSE,
     STOP,
     VERIFY_FREE,
     START,
+    WAKE,
     VERIFY_UP,
     REFRESH_PROXY,
     *ROLLBACK_KILL_STEPS,
@@ -142,6 +161,7 @@ TIMEOUTS = {
     "http_s": 1.0,
     "verify_up_s": 4.0,
     "rollback_up_s": 4.0,
+    "serving_check_s": 0.5,
 }
 START_TIMEOUT_S = 2
 """Each config's ``start_timeout_s``: a never-healthy engine is rolled back after this."""
@@ -213,6 +233,12 @@ class Engine:
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def sleeps(self) -> bool:
+        """Its engine has the sleep routes (an orphan-faulted one cannot: the fake engine
+        refuses ``--sleep-mode`` with ``--orphan``)."""
+        return self.model in SLEEPERS and self.fault != "orphan"
 
     def accepted(self) -> set[str]:
         return {self.model, f"{self.model}-latest", CONFIG[self.model]}
@@ -341,6 +367,7 @@ class Chaos:
                     "advertises": [f"{model}-latest"],
                     "configs": {
                         CONFIG[model]: {
+                            **({"pause_lever": "vllm-sleep-1"} if model in SLEEPERS else {}),
                             "resident_gpu_mib": MODELS[model],
                             "host_rss_mib": 64,
                             "kv_resident_cells": 32768,
@@ -360,6 +387,14 @@ class Chaos:
         argv += ["--model-id", engine.model, "--advertise", f"{engine.model}-latest"]
         argv += ["--load-secs", "0.1", "--gpu-uuid", sim_uuid(0)]
         argv += ["--mib", str(MODELS[engine.model])]
+        if engine.sleeps:
+            argv += [
+                "--sleep-mode",
+                "--sleep-delay",
+                f"{LEVER_S:g}",
+                "--wake-delay",
+                f"{LEVER_S:g}",
+            ]
         extra: list[str] = []
         if engine.fault == "exit":
             argv.append("--fail-at-start")
@@ -514,8 +549,10 @@ class Chaos:
                 "engine-exit",
                 "dismiss",
                 "idle-kill",
+                "hand-sleep",
+                "hand-wake",
             ],
-            weights=[22, 18, 10, 8, 8, 6, 10, 6, 4, 4, 6],
+            weights=[22, 18, 10, 8, 8, 6, 10, 6, 4, 4, 6, 4, 3],
         )[0]
         self.report.ops[op] += 1
         self.detail = ""
@@ -629,6 +666,17 @@ class Chaos:
     async def _op_hand_start(self) -> bool:
         assert self.units is not None
         engine = self.engines[self._model()]
+        residents = await self._residents()
+        counted = sum(
+            float(r.get("gpu_mib") or 0)
+            for r in residents
+            if r.get("device") == "gpu0" and r.get("model") != engine.model
+        )
+        if counted + MODELS[engine.model] > DEVICE_MIB:
+            # Sleepers get no Conflicts= (one of them may be paused beside the other), so
+            # systemd would start a unit beside an awake one: the operator looks first.
+            self.detail = f"{engine.model}: not started, {counted:,.0f} MiB counted on gpu0"
+            return False
         outcome = await self.units.start_unit(engine.unit, 15)
         self.detail = f"{engine.model} ({engine.fault or 'no fault'}) → {outcome.result}"
         return False
@@ -683,6 +731,44 @@ class Chaos:
         self._kill_daemon("idle")
         return False
 
+    async def _up_sleepers(self) -> list[Engine]:
+        up = await self._up_units()
+        return [e for e in self.engines.values() if e.sleeps and e.unit in up]
+
+    async def _op_hand_sleep(self) -> bool:
+        """Anyone on the machine calls a sleeper's ``/sleep``: the serving re-check must
+        unpublish it (the truth check waits for that, the forward check holds it)."""
+        sleepers = await self._up_sleepers()
+        if not sleepers:
+            return await self._op_admit()
+        engine = self.rng.choice(sleepers)
+        try:
+            await engines.sleep(engine.endpoint, 1, timeout=10)
+            self.detail = f"{engine.model}: POST /sleep by hand"
+        except engines.EngineError as err:
+            self.detail = f"{engine.model}: POST /sleep by hand failed: {err}"
+        return False
+
+    async def _op_hand_wake(self) -> bool:
+        """Wake by hand a sleeper put to sleep by hand (never a ``paused`` resident: its
+        memory is lent to whatever the planner placed since)."""
+        residents = {r.get("model"): r.get("state") for r in await self._residents()}
+        asleep = [
+            e
+            for e in await self._up_sleepers()
+            if residents.get(e.model) != "paused"
+            and await engines.is_sleeping(e.endpoint, 2.0) is True
+        ]
+        if not asleep:
+            return await self._op_admit()
+        engine = self.rng.choice(asleep)
+        try:
+            await engines.wake(engine.endpoint, 10)
+            self.detail = f"{engine.model}: POST /wake_up by hand"
+        except engines.EngineError as err:
+            self.detail = f"{engine.model}: POST /wake_up by hand failed: {err}"
+        return False
+
     # ------------------------------------------------------------------ invariants
 
     async def _check_forward(self, requested: str, target_id: str) -> None:
@@ -712,6 +798,12 @@ class Chaos:
                 f"{requested} forwarded to {target_id}, which serves {sorted(map(str, served))} "
                 f"(HTTP {status})",
             )
+        elif (
+            model is not None
+            and self.engines[model].sleeps
+            and await engines.is_sleeping(endpoint, 3.0) is True
+        ):
+            self.violate("forward", f"{requested} forwarded to {target_id}, which is asleep")
 
     async def _residents(self) -> list[dict[str, Any]]:
         assert self.client is not None
@@ -757,6 +849,12 @@ class Chaos:
                 f"residents {sorted(map(str, by_unit))} but units up {sorted(up)} "
                 f"(residents: {[(r['model'], r['state']) for r in residents]})"
             )
+        for resident in residents:
+            engine = self.engines.get(str(resident.get("model")))
+            if engine is None or not engine.sleeps or resident.get("state") != "hot":
+                continue
+            if await engines.is_sleeping(engine.endpoint, 2.0) is True:
+                return f"{engine.model} is published hot but its engine is asleep"
         return None
 
     async def _check(self, before: list[dict[str, Any]], emptying: bool, restarted: bool) -> None:

@@ -10,8 +10,9 @@ packages=(
   libgirepository1.0-dev libcairo2-dev gir1.2-glib-2.0
   # runtime: the bus, the user manager, busctl
   dbus-daemon systemd
-  # tests: xmllint for the polkit policy, ip for the veth peer test
-  libxml2-utils iproute2
+  # tests: xmllint for the polkit policy, ip for the veth peer test, tmux for the
+  # real-terminal test of `uapplace top` (tests/systemd/test_top_tmux.py)
+  libxml2-utils iproute2 tmux
   # a compiler for the extensions
   gcc python3-dev
   # build llama.cpp's llama-server (make engine: scripts/build-llama-server.sh, which

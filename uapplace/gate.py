@@ -12,7 +12,10 @@ dialect. This module is that gate, so such a proxy needs no copy of the rules:
   ``no_controller``, an unprobed cache (``None``) forwards (docs/placement-rules.md §4.3: the same
   fail-open direction as the proxy's wire-model reconcile). A 5 s burst map on
   ``(client, model)`` (and ``("__auto__", model)`` for ``auto_loading``)
-  re-parks a burst without asking again.
+  re-parks a burst without asking again. For a plain ``http://`` controller the POST
+  goes through :class:`AdmitLink`, a small keep-alive HTTP/1.1 client on asyncio
+  streams (half the proxy's CPU per admit of an aiohttp round; docs/performance.md,
+  "Second pass"); other URLs and the rails read use aiohttp.
 - :class:`TargetSemaphores` is the per-target semaphore map of docs/placement-rules.md §4.3
   (per-target concurrency): one budget per ``target_id``, sized from the rails
   the controller reports (``GET /api/placement/targets``, read with
@@ -36,6 +39,8 @@ Usage in a proxy::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import re
 import secrets
 import time
@@ -44,6 +49,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -162,6 +168,8 @@ class GateClient:
         self.burst_window = burst_window
         self._bursts: dict[tuple[str, str], _BurstPark] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._link = AdmitLink.for_url(self.admit_url)
+        """Admit's own keep-alive link for a plain ``http://`` controller; ``None``: aiohttp."""
 
     async def __aenter__(self) -> GateClient:
         return self
@@ -170,6 +178,8 @@ class GateClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._link is not None:
+            await self._link.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -194,10 +204,13 @@ class GateClient:
         body = admit_body(model_id, client, session, cells)
         try:
             async with asyncio.timeout(self.timeout):
-                http = self._http()
-                async with http.post(self.admit_url, json=body) as response:
-                    status = response.status
-                    payload = await response.json(content_type=None) if status == 200 else None
+                if self._link is not None:
+                    status, raw = await self._link.post(_ENCODE_BODY(body).encode())
+                    payload = json.loads(raw) if status == 200 else None
+                else:
+                    async with self._http().post(self.admit_url, json=body) as response:
+                        status = response.status
+                        payload = await response.json(content_type=None) if status == 200 else None
         except Exception:  # the contract: any exception is "no answer"
             return None
         return parse_answer(status, payload)
@@ -263,6 +276,196 @@ class GateClient:
         if decision.reason == "auto_loading":
             # Rotating the client id must not re-ask the controller during an auto load.
             self._bursts[(AUTO_BURST_CLIENT, model_id)] = park
+
+
+# --------------------------------------------------------------------------- admit's link
+
+_ENCODE_BODY = json.JSONEncoder(separators=(",", ":")).encode
+"""One encoder for every admit body (``json.dumps`` builds one per call with separators)."""
+HEAD_LIMIT = 16 * 1024
+"""The most bytes an answer's status line and headers may take."""
+BODY_LIMIT = 64 * 1024
+"""The most bytes an answer's body may take: an admit answer is under 200."""
+IDLE_REUSE_S = 5.0
+"""An idle connection older than this is closed, not reused: the shim closes one that sends
+no headers for 10 s (docs/http-contract.md §5), and a reused connection must still be open."""
+MAX_IDLE = 64
+"""Idle connections kept; more at once are closed when they finish."""
+
+
+class UnexpectedAnswer(Exception):
+    """An answer :class:`AdmitLink` does not read (framing, size, status line)."""
+
+
+class _StaleConnection(Exception):
+    """A reused connection closed before any answer byte came: the server dropped it idle."""
+
+
+@dataclass
+class _Connection:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    idle_since: float = 0.0
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class AdmitLink:
+    """Keep-alive HTTP/1.1 ``POST``s of JSON to one ``http://`` URL, over asyncio streams.
+
+    Admit is on every request a proxy forwards (docs/http-contract.md §1); an aiohttp
+    ``ClientSession`` round costs the proxy twice the CPU (docs/performance.md), so the
+    one POST the gate makes on that path goes through this small client instead. It reads
+    only what a well-behaved server sends (a ``1.x`` status line, headers within
+    :data:`HEAD_LIMIT`, a body framed by ``Content-Length``, chunks or the connection's
+    close, within :data:`BODY_LIMIT`) and raises on anything else; a connection is
+    pooled again only after a complete, length-framed, keep-alive answer. A pooled
+    connection the server closed before answering is retried once on a new one. The
+    caller bounds the time (the gate's 2 s).
+    """
+
+    def __init__(self, host: str, port: int, host_header: str, path: str) -> None:
+        self.host = host
+        self.port = port
+        self._head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host_header}\r\n"
+            "Content-Type: application/json\r\nAccept: */*\r\nContent-Length: "
+        ).encode("ascii")
+        self._idle: list[_Connection] = []
+
+    @classmethod
+    def for_url(cls, url: str) -> AdmitLink | None:
+        """A link for a plain ``http://host[:port]/path`` URL; ``None`` for any other
+        (https, credentials, a query: those keep aiohttp's full client)."""
+        try:
+            parts = urlsplit(url)
+            port = parts.port or 80
+        except ValueError:
+            return None
+        plain = parts.scheme == "http" and not (parts.username or parts.query or parts.fragment)
+        if not plain or not parts.hostname or not parts.path.isascii():
+            return None
+        return cls(parts.hostname, port, parts.netloc, parts.path or "/")
+
+    async def post(self, body: bytes) -> tuple[int, bytes]:
+        """``(status, body)`` of one POST of ``body``; raises on any failure."""
+        request = b"%s%d\r\n\r\n%s" % (self._head, len(body), body)
+        pooled = self._take_idle()
+        if pooled is not None:
+            try:
+                return await self._exchange(pooled, request, reused=True)
+            except _StaleConnection:
+                pass
+        reader, writer = await asyncio.open_connection(self.host, self.port, limit=HEAD_LIMIT)
+        return await self._exchange(_Connection(reader, writer), request, reused=False)
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+        for connection in idle:
+            with contextlib.suppress(Exception):  # a dead connection: nothing to keep
+                await connection.writer.wait_closed()
+
+    def _take_idle(self) -> _Connection | None:
+        now = time.monotonic()
+        while self._idle:
+            connection = self._idle.pop()  # the most recently used is the likeliest alive
+            fresh = now - connection.idle_since < IDLE_REUSE_S
+            if fresh and not connection.reader.at_eof() and not connection.writer.is_closing():
+                return connection
+            connection.close()
+        return None
+
+    async def _exchange(
+        self, connection: _Connection, request: bytes, *, reused: bool
+    ) -> tuple[int, bytes]:
+        try:
+            connection.writer.write(request)
+            try:
+                head = await connection.reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError) as error:
+                partial = getattr(error, "partial", b"")
+                if reused and not partial:
+                    raise _StaleConnection from error
+                raise
+            status, keep_alive, length, chunked = _read_head(head)
+            body = await _read_body(connection.reader, status, length, chunked)
+        except BaseException:
+            connection.close()
+            raise
+        if keep_alive and (length is not None or chunked) and len(self._idle) < MAX_IDLE:
+            connection.idle_since = time.monotonic()
+            self._idle.append(connection)
+        else:
+            connection.close()
+        return status, body
+
+
+def _read_head(head: bytes) -> tuple[int, bool, int | None, bool]:
+    """``(status, keep_alive, content_length, chunked)`` of an answer's head."""
+    lines = head.decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    code = rest[:3]
+    if version not in ("HTTP/1.1", "HTTP/1.0") or not code.isdigit() or int(code) < 200:
+        raise UnexpectedAnswer(f"status line {lines[0][:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if line:
+            name, colon, value = line.partition(":")
+            if not colon:
+                raise UnexpectedAnswer(f"header line {line[:80]!r}")
+            headers[name.strip().lower()] = value.strip()
+    tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
+    keep_alive = "keep-alive" in tokens if version == "HTTP/1.0" else "close" not in tokens
+    encoding = headers.get("transfer-encoding")
+    if encoding is not None:
+        if encoding.lower() != "chunked":
+            raise UnexpectedAnswer(f"transfer-encoding {encoding[:80]!r}")
+        return int(code), keep_alive, None, True
+    raw_length = headers.get("content-length")
+    if raw_length is None:
+        return int(code), False, None, False
+    if not raw_length.isdigit() or len(raw_length) > 9 or int(raw_length) > BODY_LIMIT:
+        raise UnexpectedAnswer(f"content-length {raw_length[:80]!r}")
+    return int(code), keep_alive, int(raw_length), False
+
+
+async def _read_body(
+    reader: asyncio.StreamReader, status: int, length: int | None, chunked: bool
+) -> bytes:
+    if status in (204, 304):
+        return b""
+    if length is not None:
+        return await reader.readexactly(length) if length else b""
+    if chunked:
+        return await _read_chunks(reader)
+    body = await reader.read(BODY_LIMIT + 1)  # framed by the connection's close
+    while len(body) <= BODY_LIMIT:
+        more = await reader.read(BODY_LIMIT + 1 - len(body))
+        if not more:
+            return body
+        body += more
+    raise UnexpectedAnswer(f"body over {BODY_LIMIT} bytes")
+
+
+async def _read_chunks(reader: asyncio.StreamReader) -> bytes:
+    body = b""
+    while True:
+        size_field = (await reader.readuntil(b"\r\n")).split(b";", 1)[0].strip()
+        if not size_field or len(size_field) > 8:
+            raise UnexpectedAnswer(f"chunk size {size_field[:80]!r}")
+        size = int(size_field, 16)
+        if size == 0:
+            while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, up to the blank line
+                pass
+            return body
+        if len(body) + size > BODY_LIMIT:
+            raise UnexpectedAnswer(f"body over {BODY_LIMIT} bytes")
+        body += await reader.readexactly(size)
+        if await reader.readexactly(2) != b"\r\n":
+            raise UnexpectedAnswer("chunk not followed by CRLF")
 
 
 # --------------------------------------------------------------------------- per-target rails

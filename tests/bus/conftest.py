@@ -19,6 +19,7 @@ on each other's pending entries.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ import pytest
 
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.worlds.seed_docs import alpha_model, beta_model
+from uapplace.bus.client import PlacementClient
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 from uapplace.files.registry import local_measurements
 from uapplace.sim.gpu import SimGpu, sim_uuid
@@ -290,14 +292,11 @@ def wait_until(predicate: Any, what: str, timeout: float = 10.0) -> Any:
         time.sleep(POLL_S)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def seeded_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The fake engine behind :data:`SEEDED_ENDPOINT`, serving ``alpha``, for the whole tier.
-
-    A daemon restored from a ledger that names ``alpha`` there verifies it (``/health``,
-    ``/v1/models``) before it forwards; tests wait with :func:`wait_published`.
-    """
-    log_path = tmp_path_factory.mktemp("seeded-engine") / "engine.log"
+@contextlib.contextmanager
+def seeded_engine_running(directory: Path) -> Iterator[None]:
+    """The fake engine behind :data:`SEEDED_ENDPOINT`, serving ``alpha``, its output in
+    ``directory/engine.log``; stopped (by PID) when the block ends."""
+    log_path = directory / "engine.log"
     env = {k: v for k, v in os.environ.items() if k != "UAPPLACE_SIM_GPU"}
     argv = [sys.executable, "-m", "uapplace.sim.engine", "--port", str(SEEDED_PORT)]
     argv += ["--model-id", "alpha", "--advertise", "alpha-chat"]
@@ -316,6 +315,17 @@ def seeded_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     finally:
         process.terminate()
         process.wait(timeout=STOP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def seeded_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The fake engine behind :data:`SEEDED_ENDPOINT`, serving ``alpha``, for the whole tier.
+
+    A daemon restored from a ledger that names ``alpha`` there verifies it (``/health``,
+    ``/v1/models``) before it forwards; tests wait with :func:`wait_published`.
+    """
+    with seeded_engine_running(tmp_path_factory.mktemp("seeded-engine")):
+        yield
 
 
 def wait_published(address: str, model: str = "alpha") -> None:
@@ -348,3 +358,13 @@ def daemon(uap_env: UapEnv) -> Iterator[DaemonProcess]:
         yield started
     finally:
         started.stop()
+
+
+@pytest.fixture
+async def client(daemon: DaemonProcess) -> AsyncIterator[PlacementClient]:
+    """A :class:`PlacementClient` on the module's daemon, disconnected after the test."""
+    connected = await PlacementClient.connect(daemon.uap.bus_address)
+    try:
+        yield connected
+    finally:
+        connected.disconnect()

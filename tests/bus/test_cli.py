@@ -168,7 +168,8 @@ def test_measure_envelope_without_yes_says_what_it_does_and_refuses(
     done = run_cli(daemon.uap, "measure", "--envelope", "alpha")
     assert done.returncode == 1
     assert "measure --envelope takes the backend down" in done.stderr
-    assert "1. stop uap-alpha: alpha goes down" in done.stderr
+    assert "1. drain alpha: new requests for it park" in done.stderr
+    assert "2. stop uap-alpha: alpha goes down" in done.stderr
     assert "Run again with --yes" in done.stderr
     assert "is not available" not in done.stderr, "nothing reached the daemon"
 
@@ -199,6 +200,12 @@ def test_units_and_auto(daemon: DaemonProcess) -> None:
     consent = cli_json(daemon.uap, "auto", "--allow-displace", "alpha", "--yes")
     assert consent["allow_displace"] == ["alpha"]
     assert cli_json(daemon.uap, "auto", "--disallow-displace", "alpha")["allow_displace"] == []
+    # Issue 21 item 8: `--idle-after 0` turns the sweep off (it was refused: min 60).
+    assert cli_json(daemon.uap, "auto", "--idle-after", "900")["unload_idle_after_secs"] == 900
+    off = cli_json(daemon.uap, "auto", "--idle-after", "0")
+    assert off["unload_idle_after_secs"] is None and off["idle_window_secs"] is None
+    refused = run_cli(daemon.uap, "auto", "--idle-after", "-1")
+    assert refused.returncode == 2 and "--idle-after" in refused.stderr
 
 
 def test_unknown_model_is_exit_7(daemon: DaemonProcess) -> None:

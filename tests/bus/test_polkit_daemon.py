@@ -117,6 +117,12 @@ GATED = [
     Gated("Unload", lambda c: c.unload("alpha", ["alpha/alpha-q4"]), (Action.UNLOAD,)),
     Gated("WriteUnits", lambda c: c.write_units(), (Action.WRITE_UNITS,)),
     Gated("Measure", lambda c: c.measure("alpha", "alpha-q4"), (Action.MEASURE,)),
+    # A switch like Unload (issue 21): Unload's action, not the routine measure one.
+    Gated(
+        "MeasureEnvelope",
+        lambda c: c.measure_envelope("alpha", "alpha-q4", ["alpha/alpha-q4"]),
+        (Action.UNLOAD,),
+    ),
     Gated("Hold", lambda c: c.hold("alpha", "polkit test", "test"), (Action.HOLD,)),
     Gated("Release", lambda c: c.release(4_000_000), (Action.HOLD,)),
     Gated("SetAutoPolicy enable", _auto({"enable": True}), (Action.AUTO_ENABLE,)),

@@ -6,7 +6,7 @@ import asyncio
 import json
 import re
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +37,6 @@ pytestmark = pytest.mark.bus
 
 PLACEMENT_ID = re.compile(r"^plc-[0-9a-f]{6}$")
 SIGNAL_WAIT_S = 10.0
-
-
-@pytest.fixture
-async def client(daemon: DaemonProcess) -> AsyncIterator[PlacementClient]:
-    connected = await PlacementClient.connect(daemon.uap.bus_address)
-    try:
-        yield connected
-    finally:
-        connected.disconnect()
 
 
 def pending_entry(address: str, placement_id: str) -> dict[str, Any] | None:

@@ -273,6 +273,16 @@ def test_dismiss_a_parked_placement(shim: ShimProcess) -> None:
     assert placement_id in again.json()["error"]
     entries = request(shim.base_url, "GET", "/api/placement/pending").json()["pending"]
     assert placement_id not in [e["id"] for e in entries]
+    # Issue 21 item 2: the same client's retry is refused under the dismissed id, byte-exact
+    # on the wire, and parks nothing new (no new prompt); another client parks as before.
+    retry = admit(shim, {"model_id": "beta", "client": "dismiss-me"})
+    assert retry.raw == (
+        b'{"decision":"park","placement_id":"' + placement_id.encode() + b'","reason":"refused"}'
+    )
+    other, reason = parked(admit(shim, {"model_id": "beta", "client": "someone-else"}))
+    assert other != placement_id and reason == "not_resident"
+    entries = request(shim.base_url, "GET", "/api/placement/pending").json()["pending"]
+    assert [e["client"] for e in entries if e["requested_model"] == "beta"].count("dismiss-me") == 0
 
 
 def test_resolve_of_an_unknown_placement_is_404(shim: ShimProcess) -> None:

@@ -24,24 +24,12 @@ from typing import Any
 import pytest
 
 from tests.worlds.llama import CORRUPT, LlamaModel, LlamaWorld
+from tests.worlds.steps import LOAD_FAILED_STEPS
 from uapplace.io.unitlogs import BLOCK_INDENT, DEFAULT_LINES, block_lines, split_last_lines
 
 pytestmark = pytest.mark.engines
 
 MODELS = (LlamaModel("alpha", "tiny-a", started=True), LlamaModel("beta", CORRUPT))
-LOAD_FAILED_STEPS = [
-    "revalidate",
-    "preflight",
-    "mark-draining",
-    "drain",
-    "stop",
-    "verify-free",
-    "start",
-    "verify-up",
-    "rollback-stop",
-    "rollback-clear",
-]
-"""A load that displaces nothing, whose new engine dies while loading."""
 
 
 def failed_step(result: dict[str, Any]) -> dict[str, Any]:

@@ -30,27 +30,13 @@ import psutil
 import pytest
 
 from tests.worlds.llama import CORRUPT, LLAMA_TIMEOUTS, LlamaModel, LlamaWorld
+from tests.worlds.steps import ROLLED_BACK_STEPS, detail
 from uapplace.io.units import CLD_EXITED
 
 pytestmark = pytest.mark.engines
 
 RESERVED_MIB = 256
 MODEL_MIB = 100.0
-ROLLED_BACK_STEPS = [
-    "revalidate",
-    "preflight",
-    "mark-draining",
-    "drain",
-    "stop",
-    "verify-free",
-    "start",
-    "verify-up",
-    "rollback-stop",
-    "rollback-start",
-    "rollback-verify",
-    "rollback-clear",
-]
-"""A displacing apply whose new engine fails verify-up (docs/http-contract.md §4)."""
 
 
 @dataclass(frozen=True)
@@ -86,12 +72,6 @@ def world_options() -> dict[str, Any]:
         "cpu_total_mib": RESERVED_MIB + 150,
         "cpu_reserved_mib": RESERVED_MIB,
     }
-
-
-def detail(result: dict[str, Any], name: str) -> str:
-    [step] = [s for s in result["steps"] if s["name"] == name]
-    assert isinstance(step["detail"], str)
-    return step["detail"]
 
 
 def expected_cause(world: LlamaWorld, how: str) -> str:

@@ -14,7 +14,6 @@ is a ``POST /models/load``, and a model that cannot load rolls back inside the r
 from __future__ import annotations
 
 import asyncio
-import json
 import shlex
 import shutil
 import socket
@@ -26,20 +25,15 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.systemd.placement_world import Recorder
+from tests.systemd.placement_world import Recorder, park, wire_controller
 from tests.worlds.llama import TinyModels
 from tests.worlds.registries import MEASURED_AT, host_mib
 from uapplace.controller.controller import Controller
-from uapplace.controller.dropins import no_manager_to_reload
-from uapplace.controller.holds import ProxyHolders
 from uapplace.core.model import OptionKind, PendingEntry
-from uapplace.daemon.wiring import EnforcementStack, attach_enforcement
+from uapplace.daemon.wiring import EnforcementStack
 from uapplace.enforce.host import ControllerHost
-from uapplace.files.paths import Paths
-from uapplace.files.registry import local_measurements
 from uapplace.files.timeouts import Timeouts
 from uapplace.io import rails, router
-from uapplace.io.engines import ProxyClient
 from uapplace.io.router import HTTP_ROUTER
 from uapplace.io.units import UnitManager
 from uapplace.measure.reading import EngineReader
@@ -99,25 +93,23 @@ class RealRouter:
         return out
 
     async def park(self, model: str) -> PendingEntry:
-        decision = self.controller.admit(model, "client-1", "", 0)
-        assert decision.decision == "park", decision
-
-        def planned() -> bool:
-            entry = self.controller.admission.get(decision.placement_id)
-            return entry is not None and bool(entry.options)
-
         try:
-            await self.events.until(planned)
+            return await park(self.controller, self.events, model)
         except TimeoutError:
             plan = await ControllerHost(self.controller).plan_for(model, 32768)
             raise AssertionError(f"no options for {model}: {plan.to_json()}") from None
-        entry = self.controller.admission.get(decision.placement_id)
-        assert entry is not None
-        return entry
 
     async def apply(self, entry: PendingEntry, option: int, expected: list[str]) -> dict[str, Any]:
         async with asyncio.timeout(GUARD_S):
             return await self.controller.enforcement.apply(entry.id, option, expected)
+
+    async def load_alone(self, model: str) -> dict[str, Any]:
+        """``model`` placed beside nothing (its one option loads it alongside): the result."""
+        entry = await self.park(model)
+        assert [o.kind for o in entry.options] == [OptionKind.LOAD_ALONGSIDE]
+        result = await self.apply(entry, 1, [])
+        assert result["ok"] is True, result
+        return result
 
 
 def registry_json(unit: str, endpoint: str) -> dict[str, Any]:
@@ -179,33 +171,17 @@ async def real_router(
 
     proxy_runner, proxy_url = await sim_proxy.start(sim_proxy.FakeProxy())
     endpoint = f"http://127.0.0.1:{port}"
-    config_dir, uap_home = tmp_path / "config", tmp_path / "uap"
-    config_dir.mkdir()
-    uap_home.mkdir()
-    registry = registry_json(unit, endpoint)
-    (config_dir / "model-registry.json").write_text(json.dumps(registry), encoding="utf-8")
-    local = json.dumps(local_measurements(registry))
-    (uap_home / "model-registry.json").write_text(local, encoding="utf-8")
-    (config_dir / "capacity-policy.json").write_text('{"services": []}', encoding="utf-8")
-    paths = Paths.from_env(
-        {
-            "HOME": str(tmp_path),
-            "UAP_HOME": str(uap_home),
-            "UAPPLACE_CONFIG_DIR": str(config_dir),
-            "XDG_RUNTIME_DIR": str(tmp_path / "run"),
-            "XDG_CONFIG_HOME": str(tmp_path / "xdg-config"),
-            "UAP_PROXY_URL": proxy_url,
-        }
+    wired = await wire_controller(
+        tmp_path,
+        units,
+        registry_json(unit, endpoint),
+        proxy_url=proxy_url,
+        timeouts=TIMEOUTS,
+        policy={"services": []},
     )
-    events = Recorder()
-    client = ProxyClient(paths.proxy_url, None)
-    controller = Controller.open(
-        paths, events=events, proxy=ProxyHolders(client), reload_units=no_manager_to_reload
-    )
-    await controller.start()
-    stack = await attach_enforcement(controller, paths, client, units=units, timeouts=TIMEOUTS)
+    controller, stack = wired.controller, wired.stack
     try:
-        yield RealRouter(units, unit, endpoint, llama_server, controller, stack, events)
+        yield RealRouter(units, unit, endpoint, llama_server, controller, stack, wired.events)
     finally:
         await stack.sync.close()
         await controller.shutdown(wait_s=GUARD_S)
@@ -224,10 +200,7 @@ async def test_a_real_router_swaps_wakes_and_rolls_back_without_a_restart(
 ) -> None:
     world = real_router
     # ra on a stopped router: the unit is started, then asked to load ra.
-    entry = await world.park("ra")
-    assert [o.kind for o in entry.options] == [OptionKind.LOAD_ALONGSIDE]
-    result = await world.apply(entry, 1, [])
-    assert result["ok"] is True, result
+    result = await world.load_alone("ra")
     assert f"started the router {world.unit}" in detail(result, "start")
     assert "ra loaded in the router" in detail(result, "verify-up")
     router_pid = await world.main_pid()

@@ -39,7 +39,7 @@ import aiohttp
 import pytest
 
 from tests.worlds.llama import LLAMA_TIMEOUTS, LlamaModel, LlamaWorld, free_port
-from tests.worlds.steps import UNLOAD_STEPS
+from tests.worlds.steps import UNLOAD_STEPS, detail
 from uapplace.io.units import CLD_KILLED
 
 pytestmark = pytest.mark.engines
@@ -124,12 +124,6 @@ async def unload(world: LlamaWorld, model: str) -> tuple[int, dict[str, Any]]:
     assert done.stdout, done.stderr
     result: dict[str, Any] = json.loads(done.stdout)
     return done.returncode, result
-
-
-def detail(result: dict[str, Any], name: str) -> str:
-    [step] = [s for s in result["steps"] if s["name"] == name]
-    assert isinstance(step["detail"], str)
-    return step["detail"]
 
 
 FORCED = (

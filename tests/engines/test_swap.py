@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from tests.worlds.llama import LLAMA_TIMEOUTS, LlamaModel, LlamaWorld
-from tests.worlds.steps import APPLY_STEPS
+from tests.worlds.steps import APPLY_STEPS, detail
 
 pytestmark = pytest.mark.engines
 
@@ -67,12 +67,6 @@ def world_options() -> dict[str, Any]:
         "cpu_total_mib": RESERVED_MIB + 150,
         "cpu_reserved_mib": RESERVED_MIB,
     }
-
-
-def detail(result: dict[str, Any], name: str) -> str:
-    [step] = [s for s in result["steps"] if s["name"] == name]
-    assert isinstance(step["detail"], str)
-    return step["detail"]
 
 
 async def stream_body(world: LlamaWorld, key: str, seconds: float) -> dict[str, Any]:

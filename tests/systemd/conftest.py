@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 
 from tests.bus.conftest import UapEnv, make_env
+from tests.bus.dbusmock_fixtures import MockService, spawn_template
 from tests.systemd import placement_world as placement
 from tests.systemd.live_world import LiveWorld, live_world
 from tests.worlds.steps import APPLY_STEPS as APPLY_STEPS  # the tier's tests import it from here
@@ -58,13 +59,19 @@ async def eventually(condition: Callable[[], bool], guard_s: float = GUARD_S) ->
             await asyncio.sleep(0.02)
 
 
-@pytest.fixture(scope="session")
-def user_manager() -> Iterator[ContainedUserManager]:
+def require_containment() -> None:
+    """Skip without a contained ``systemd --user`` here (fail under
+    ``UAPPLACE_REQUIRE_SYSTEMD=1``)."""
     ok, why = can_contain()
     if not ok:
         if os.environ.get("UAPPLACE_REQUIRE_SYSTEMD") == "1":
             pytest.fail(f"UAPPLACE_REQUIRE_SYSTEMD=1 but no contained systemd --user here: {why}")
         pytest.skip(f"no contained systemd --user here: {why}")
+
+
+@pytest.fixture(scope="session")
+def user_manager() -> Iterator[ContainedUserManager]:
+    require_containment()
     manager = ContainedUserManager()
     manager.start()
     yield manager
@@ -219,6 +226,18 @@ async def alpha_world(built_world: placement.World) -> placement.World:
     async with asyncio.timeout(placement.GUARD_S):
         await built_world.start_alpha()
     return built_world
+
+
+@pytest.fixture
+async def notifications(
+    user_manager: ContainedUserManager, tmp_path: Path
+) -> AsyncIterator[MockService]:
+    """python-dbusmock's ``notification_daemon`` on the contained manager's bus."""
+    mock = spawn_template("notification_daemon", user_manager.bus_address, tmp_path)
+    try:
+        yield mock
+    finally:
+        mock.stop()
 
 
 @pytest.fixture

@@ -31,11 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
+from tests.bus.conftest import DaemonProcess, UapEnv, make_env, run_cli, start_daemon
 from tests.bus.shim_fixtures import ShimProcess, start_shim
 from tests.systemd.placement_world import ALPHA_MIB, BETA_MIB, FAST, POLICY, registry_json
 from tests.worlds import polling
+from tests.worlds.shim_view import ShimView
 from uapplace.files.paths import BUS_NAME
+from uapplace.files.timeouts import Timeouts
 from uapplace.io.units import UnitManager
 from uapplace.sim import gateproxy, serving
 from uapplace.sim.gateproxy import GateProxy
@@ -46,12 +48,14 @@ if TYPE_CHECKING:  # conftest imports this module (its fixtures build the world)
 
 GUARD_S = 30.0
 """Upper bound on any wait: a hang guard, never an assertion about speed."""
+CLI_TIMEOUT_S = 120.0
+"""A hang guard for one CLI run, not a speed bound."""
 PROXY_TOKEN = "live-world-proxy-token"
 WIRED = "enforcement, unit sync, auto runner and idle sweep wired"
 
 
 @dataclass
-class LiveWorld:
+class LiveWorld(ShimView):
     uap: UapEnv
     daemon: DaemonProcess
     shim: ShimProcess
@@ -67,36 +71,6 @@ class LiveWorld:
         return await polling.until(what, check, self.daemon.log, guard_s=GUARD_S)
 
     # ------------------------------------------------------------- the shim
-
-    async def shim_get(self, path: str) -> Any:
-        async with self.http.get(self.shim.base_url + path) as reply:
-            assert reply.status == 200, await reply.text()
-            return await reply.json()
-
-    async def shim_post(
-        self, path: str, body: Any, token: str | None = None
-    ) -> tuple[int, dict[str, Any]]:
-        headers = {"x-uap-dashboard-token": token} if token is not None else {}
-        async with self.http.post(self.shim.base_url + path, json=body, headers=headers) as reply:
-            return reply.status, await reply.json()
-
-    async def resident_states(self) -> dict[str, str]:
-        state = await self.shim_get("/api/placement/state")
-        return {r["model"]: r["state"] for r in state["residents"]}
-
-    async def pending_entry(self, placement_id: str) -> dict[str, Any] | None:
-        entries = (await self.shim_get("/api/placement/pending"))["pending"]
-        return next((e for e in entries if e["id"] == placement_id), None)
-
-    async def options_of(self, placement_id: str) -> list[dict[str, Any]]:
-        """The park's options, once the daemon has planned them."""
-
-        async def planned() -> list[dict[str, Any]] | None:
-            entry = await self.pending_entry(placement_id)
-            return entry["options"] if entry is not None and entry["options"] else None
-
-        options: list[dict[str, Any]] = await self.until(f"options of {placement_id}", planned)
-        return options
 
     async def resolve(
         self, placement_id: str, option: int, expected_victims: Sequence[dict[str, str]]
@@ -115,6 +89,28 @@ class LiveWorld:
 
     def target_of(self, unit: EngineUnit) -> str:
         return f"gpu0:{unit.endpoint}"
+
+
+async def cli(world: LiveWorld, *args: str) -> tuple[int, str, str]:
+    """``uapplace ARGS`` against the world's daemon: exit code, stdout, stderr."""
+    done = await asyncio.to_thread(run_cli, world.uap, *args, timeout=CLI_TIMEOUT_S)
+    return done.returncode, done.stdout, done.stderr
+
+
+def seed_daemon_files(uap: UapEnv, registry: dict[str, Any], timeouts: Timeouts) -> None:
+    """What a daemon of this machine reads: ``registry``, :data:`POLICY` and ``timeouts``."""
+    uap.write_registry(registry)
+    (uap.config_dir / "capacity-policy.json").write_text(json.dumps(POLICY), encoding="utf-8")
+    uap.home.mkdir(parents=True, exist_ok=True)
+    path = uap.home / "enforcement-timeouts.json"
+    path.write_text(json.dumps(timeouts.to_json()), encoding="utf-8")
+
+
+def validate(world: LiveWorld) -> tuple[int, dict[str, Any]]:
+    """``uapplace validate --json`` (blocking: run it in a thread): exit code, report."""
+    done = run_cli(world.uap, "validate", "--json", timeout=GUARD_S)
+    report: dict[str, Any] = json.loads(done.stdout)
+    return done.returncode, report
 
 
 @asynccontextmanager
@@ -153,11 +149,7 @@ async def live_world(
         registry = registry_json(alpha, beta, *mibs)
         if single_upstream:
             registry["proxy"] = {"single_upstream": alpha.endpoint}
-        uap.write_registry(registry)
-        (uap.config_dir / "capacity-policy.json").write_text(json.dumps(POLICY), encoding="utf-8")
-        uap.home.mkdir(parents=True, exist_ok=True)
-        timeouts = uap.home / "enforcement-timeouts.json"
-        timeouts.write_text(json.dumps(FAST.to_json()), encoding="utf-8")
+        seed_daemon_files(uap, registry, FAST)
         uap.env["UAP_PROXY_URL"] = serving.url_of(proxy_sock)
         uap.env["PROXY_AUTH_TOKEN"] = PROXY_TOKEN
         started = await units.start_unit(alpha.name, GUARD_S)

@@ -31,7 +31,7 @@ from uapplace.controller.holds import ProxyHolders
 from uapplace.controller.ports import ResidentRow
 from uapplace.core.alerts import Alert
 from uapplace.core.model import PendingEntry, Resident
-from uapplace.daemon.wiring import attach_enforcement
+from uapplace.daemon.wiring import EnforcementStack, attach_enforcement
 from uapplace.enforce.enforcer import Enforcer
 from uapplace.enforce.host import ControllerHost
 from uapplace.files.paths import Paths
@@ -175,21 +175,32 @@ class World:
 
     async def park(self, model: str, client: str = "client-1") -> PendingEntry:
         """Admit ``model`` (not resident), then wait for the park's options."""
-        decision = self.controller.admit(model, client, "", 0)
-        assert decision.decision == "park", decision
-        placement_id = decision.placement_id
-
-        def planned() -> bool:
-            entry = self.controller.admission.get(placement_id)
-            return entry is not None and bool(entry.options)
-
-        await self.events.until(planned)
-        entry = self.controller.admission.get(placement_id)
-        assert entry is not None
-        return entry
+        return await park(self.controller, self.events, model, client)
 
     def target_of(self, unit: EngineUnit) -> str:
         return f"gpu0:{unit.endpoint}"
+
+    def local_doc(self) -> dict[str, Any]:
+        """The machine-local registry file (measurements), as JSON."""
+        doc: dict[str, Any] = json.loads(self.paths.local_registry.read_text(encoding="utf-8"))
+        return doc
+
+    async def add_cpu_gamma(self, engine_args: Sequence[str]) -> EngineUnit:
+        """A CPU-only engine unit ``gamma`` (it claims no simulated GPU memory), added to
+        the repo registry with one unmeasured config ``c1``; the controller reloaded."""
+        gamma = self.unit_files.engine("gamma", "gamma", None, engine_args=engine_args)
+        await self.units.reload()
+        repo = json.loads(self.paths.repo_registry.read_text(encoding="utf-8"))
+        repo["models"]["gamma"] = {
+            "display": "Gamma (CPU)",
+            "engine": "llama.cpp",
+            "unit": gamma.name,
+            "endpoint": gamma.endpoint,
+            "configs": {"c1": {"status": "unmeasured"}},
+        }
+        self.paths.repo_registry.write_text(json.dumps(repo), encoding="utf-8")
+        assert await self.controller.reload()
+        return gamma
 
     def orphan_pid(self) -> int:
         """The PID the ``--orphan`` engine wrote (once ``orphan_pidfile`` exists)."""
@@ -203,6 +214,24 @@ class World:
             return
         if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+async def park(
+    controller: Controller, events: Recorder, model: str, client: str = "client-1"
+) -> PendingEntry:
+    """Admit ``model`` (not resident) to ``controller``, then wait for the park's options."""
+    decision = controller.admit(model, client, "", 0)
+    assert decision.decision == "park", decision
+    placement_id = decision.placement_id
+
+    def planned() -> bool:
+        entry = controller.admission.get(placement_id)
+        return entry is not None and bool(entry.options)
+
+    await events.until(planned)
+    entry = controller.admission.get(placement_id)
+    assert entry is not None
+    return entry
 
 
 def step(result: dict[str, Any], name: str) -> dict[str, Any]:
@@ -241,6 +270,84 @@ def registry_json(
 POLICY = {"services": [{"name": "beta-server", "metricsMustMatch": {"kv": "int8"}}]}
 
 
+def declare_pause_lever(registry: dict[str, Any], lever: str) -> None:
+    """Every config of the registry document ``registry`` declares ``lever`` (in place)."""
+    for model in registry["models"].values():
+        for config in model.get("configs", {}).values():
+            config["pause_lever"] = lever
+
+
+@dataclass(frozen=True)
+class Wired:
+    """A controller wired to enforcement exactly as the daemon wires it."""
+
+    paths: Paths
+    controller: Controller
+    stack: EnforcementStack
+    events: Recorder
+
+
+async def wire_controller(
+    tmp_path: Path,
+    units: UnitManager,
+    registry: dict[str, Any],
+    *,
+    proxy_url: str,
+    timeouts: Timeouts,
+    policy: dict[str, Any],
+    sim: SimGpu | None = None,
+    unit_dir: Path | None = None,
+) -> Wired:
+    """``registry`` and ``policy`` written under ``tmp_path`` (``config/``, the measured
+    figures in ``uap/``), a started :class:`Controller` on them and its enforcement stack;
+    the test owns ``units``. ``sim``: the simulated card the controller reads (none: the
+    host's). ``unit_dir``: the user manager's unit directory; the controller's
+    ``Conflicts=`` drop-ins go there and are followed by a user-manager reload (as in the
+    daemon)."""
+    config_dir = tmp_path / "config"
+    uap_home = tmp_path / "uap"
+    config_dir.mkdir()
+    uap_home.mkdir()
+    (config_dir / "model-registry.json").write_text(json.dumps(registry), encoding="utf-8")
+    # The figures are this sandbox machine's own: they count only from the local file.
+    local = json.dumps(local_measurements(registry))
+    (uap_home / "model-registry.json").write_text(local, encoding="utf-8")
+    (config_dir / "capacity-policy.json").write_text(json.dumps(policy), encoding="utf-8")
+    env = {
+        "HOME": str(tmp_path),
+        "UAP_HOME": str(uap_home),
+        "UAPPLACE_CONFIG_DIR": str(config_dir),
+        "XDG_RUNTIME_DIR": str(tmp_path / "run"),
+        "XDG_CONFIG_HOME": str(
+            unit_dir.parent.parent if unit_dir is not None else tmp_path / "xdg-config"
+        ),
+        "UAP_PROXY_URL": proxy_url,
+    }
+    if sim is not None:
+        env["UAPPLACE_SIM_GPU"] = str(sim.path)
+    paths = Paths.from_env(env)
+    events = Recorder()
+    client = ProxyClient(paths.proxy_url, None)
+
+    async def reload_units() -> bool:
+        await units.reload()
+        return True
+
+    controller = Controller.open(
+        paths,
+        events=events,
+        proxy=ProxyHolders(client),
+        reload_units=reload_units if unit_dir is not None else no_manager_to_reload,
+    )
+    try:
+        await controller.start()
+        stack = await attach_enforcement(controller, paths, client, units=units, timeouts=timeouts)
+    except BaseException:
+        await controller.shutdown(wait_s=GUARD_S)
+        raise
+    return Wired(paths, controller, stack, events)
+
+
 async def build_world(
     tmp_path: Path,
     units: UnitManager,
@@ -256,8 +363,7 @@ async def build_world(
     unit_dir: Path | None = None,
     orphan: bool = False,
 ) -> World:
-    """``unit_dir``: the user manager's unit directory; the controller's ``Conflicts=``
-    drop-ins go there and are followed by a user-manager reload (as in the daemon).
+    """``unit_dir``: as :func:`wire_controller` takes it.
     ``orphan``: alpha's engine leaves a child holding its memory that outlives it
     (``KillMode=process``), its PID in ``orphan_pidfile`` (:meth:`World.orphan_pid`)."""
     orphan_pidfile = tmp_path / "orphan.pid"
@@ -268,7 +374,6 @@ async def build_world(
     # The proxy binds first, so the free ports picked for the engines cannot be its.
     proxy = sim_proxy.FakeProxy()
     runner, proxy_url = await sim_proxy.start(proxy)
-    controller: Controller | None = None
     try:
         load = ["--load-secs", "0.3", "--kv", "int8"]
         alpha = unit_files.engine(
@@ -288,58 +393,28 @@ async def build_world(
         )
         await units.reload()
 
-        config_dir = tmp_path / "config"
-        uap_home = tmp_path / "uap"
-        config_dir.mkdir()
-        uap_home.mkdir()
-        registry = registry_json(alpha, beta, alpha_mib, beta_mib)
-        (config_dir / "model-registry.json").write_text(json.dumps(registry), encoding="utf-8")
-        # The figures are this sandbox machine's own: they count only from the local file.
-        local = json.dumps(local_measurements(registry))
-        (uap_home / "model-registry.json").write_text(local, encoding="utf-8")
-        (config_dir / "capacity-policy.json").write_text(json.dumps(POLICY), encoding="utf-8")
-
-        paths = Paths.from_env(
-            {
-                "HOME": str(tmp_path),
-                "UAP_HOME": str(uap_home),
-                "UAPPLACE_CONFIG_DIR": str(config_dir),
-                "UAPPLACE_SIM_GPU": str(sim.path),
-                "XDG_RUNTIME_DIR": str(tmp_path / "run"),
-                "XDG_CONFIG_HOME": str(
-                    unit_dir.parent.parent if unit_dir is not None else tmp_path / "xdg-config"
-                ),
-                "UAP_PROXY_URL": proxy_url,
-            }
+        wired = await wire_controller(
+            tmp_path,
+            units,
+            registry_json(alpha, beta, alpha_mib, beta_mib),
+            proxy_url=proxy_url,
+            timeouts=timeouts,
+            policy=POLICY,
+            sim=sim,
+            unit_dir=unit_dir,
         )
-        events = Recorder()
-        client = ProxyClient(paths.proxy_url, None)
-
-        async def reload_units() -> bool:
-            await units.reload()
-            return True
-
-        controller = Controller.open(
-            paths,
-            events=events,
-            proxy=ProxyHolders(client),
-            reload_units=reload_units if unit_dir is not None else no_manager_to_reload,
-        )
-        await controller.start()
-        # Wired exactly as the daemon wires it; the test owns the UnitManager.
-        stack = await attach_enforcement(controller, paths, client, units=units, timeouts=timeouts)
         timeline = UnitTimeline(units, [alpha.name, beta.name])
         return World(
             units=units,
             unit_files=unit_files,
             sim=sim,
-            paths=paths,
-            controller=controller,
-            host=ControllerHost(controller),
-            enforcer=stack.enforcer,
-            sync=stack.sync,
+            paths=wired.paths,
+            controller=wired.controller,
+            host=ControllerHost(wired.controller),
+            enforcer=wired.stack.enforcer,
+            sync=wired.stack.sync,
             proxy=proxy,
-            events=events,
+            events=wired.events,
             timeline=timeline,
             alpha=alpha,
             beta=beta,
@@ -347,8 +422,6 @@ async def build_world(
             orphan_pidfile=orphan_pidfile,
         )
     except BaseException:
-        if controller is not None:
-            await controller.shutdown(wait_s=GUARD_S)
         await runner.cleanup()
         raise
 

@@ -15,7 +15,6 @@ empty. Then, on the real daemon:
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,10 +24,9 @@ import pytest
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
-from tests.bus.conftest import run_cli
-from tests.bus.dbusmock_fixtures import MockService, spawn_template
+from tests.bus.dbusmock_fixtures import MockService
 from tests.systemd.conftest import UnitFiles
-from tests.systemd.live_world import GUARD_S, LiveWorld, live_world
+from tests.systemd.live_world import GUARD_S, LiveWorld, cli, live_world
 from tests.worlds.exposition import sample
 from uapplace.bus.util import bus_daemon_message
 from uapplace.daemon.notify import URGENCY_CRITICAL
@@ -40,19 +38,6 @@ from uapplace.sim.usermanager import ContainedUserManager
 pytestmark = pytest.mark.systemd
 
 ALPHA_MIB = 14000
-CLI_TIMEOUT_S = 120.0
-"""A hang guard for one CLI run, not a speed bound."""
-
-
-@pytest.fixture
-async def notifications(
-    user_manager: ContainedUserManager, tmp_path: Path
-) -> AsyncIterator[MockService]:
-    mock = spawn_template("notification_daemon", user_manager.bus_address, tmp_path)
-    try:
-        yield mock
-    finally:
-        mock.stop()
 
 
 @pytest.fixture
@@ -89,11 +74,6 @@ class OrphanOnStop:
         for orphan in self.orphans:
             orphan.kill()
             orphan.wait()
-
-
-async def cli(world: LiveWorld, *args: str) -> tuple[int, str, str]:
-    done = await asyncio.to_thread(run_cli, world.uap, *args, timeout=CLI_TIMEOUT_S)
-    return done.returncode, done.stdout, done.stderr
 
 
 async def test_rollback_incomplete_is_notified_bannered_counted_until_acknowledged(

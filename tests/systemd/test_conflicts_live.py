@@ -24,6 +24,7 @@ import pytest
 from tests.systemd.conftest import EngineUnit, UnitFiles
 from tests.systemd.placement_world import GUARD_S, World, build_world, close_world
 from tests.worlds.registries import measured, unit_model
+from uapplace.controller.dropins import UnitDropins
 from uapplace.core.model import OptionKind
 from uapplace.files.registry import local_measurements
 from uapplace.io.units import DROPIN_NAME, UnitManager, unit_name
@@ -183,3 +184,28 @@ async def test_a_registry_change_regenerates_the_graph_and_check_reports_stalene
 
     assert not list(unit_dir.glob(f"*.d/{DROPIN_NAME}"))
     assert await controller.collaborators.unit_writer.check_units() == []
+
+    # Issue 21 item 5: with every drop-in gone the graph still follows. gamma grows back:
+    # the next reload writes its edges again.
+    local["models"]["gamma"]["configs"]["g1"]["resident_gpu_mib"] = GAMMA_MIB
+    world.paths.local_registry.write_text(json.dumps(local), encoding="utf-8")
+    assert await controller.reload()
+    assert conflicts_of(unit_dir, gamma.name) == {
+        unit_name(world.alpha.name),
+        unit_name(world.beta.name),
+    }
+    assert await controller.collaborators.unit_writer.check_units() == []
+    # A restarted daemon (a new writer over the same directory) follows too.
+    big = controller.config.registry()
+    local["models"]["gamma"]["configs"]["g1"]["resident_gpu_mib"] = 4000
+    world.paths.local_registry.write_text(json.dumps(local), encoding="utf-8")
+    assert await controller.reload()
+    assert not list(unit_dir.glob(f"*.d/{DROPIN_NAME}"))
+
+    async def reload_units() -> bool:
+        await world.units.reload()
+        return True
+
+    restarted = UnitDropins(unit_dir, lambda: big, reload_units)
+    assert len(await restarted.refresh()) == 3  # gamma's, alpha's and beta's drop-ins
+    assert await restarted.check_units() == []

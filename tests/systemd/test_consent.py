@@ -24,18 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.bus.conftest import run_cli
 from tests.systemd.conftest import UnitFiles
-from tests.systemd.live_world import LiveWorld, live_world
+from tests.systemd.live_world import CLI_TIMEOUT_S, LiveWorld, cli, live_world
 from uapplace.bus.client import PlacementClient, PlacementError
 from uapplace.io.units import UnitManager
 from uapplace.shim.bodies import MISSING_SIGNATURE
 from uapplace.sim.usermanager import ContainedUserManager
 
 pytestmark = pytest.mark.systemd
-
-CLI_TIMEOUT_S = 120.0
-"""A hang guard for one CLI run (the load waits for the whole run), not a speed bound."""
 
 
 @pytest.fixture
@@ -44,11 +40,6 @@ async def world(
 ) -> AsyncIterator[LiveWorld]:
     async with live_world(tmp_path, user_manager.bus_address, units, unit_files) as live:
         yield live
-
-
-async def cli(world: LiveWorld, *args: str) -> tuple[int, str, str]:
-    done = await asyncio.to_thread(run_cli, world.uap, *args, timeout=CLI_TIMEOUT_S)
-    return done.returncode, done.stdout, done.stderr
 
 
 def answer_on_a_terminal(world: LiveWorld, args: list[str], answer: str) -> tuple[int, str]:
@@ -130,7 +121,10 @@ async def test_load_that_evicts_needs_a_yes_and_the_signature_it_showed(world: L
     token = world.shim.token
     status, body = await world.shim_post("/api/placement/load", {"model": "beta"}, token)
     assert status == 409 and body["error"].startswith(MISSING_SIGNATURE), body
-    stale_body = {"model": "beta", "expected_victims": [{"model": "alpha", "config": "a0"}]}
+    stale_body = {
+        "model": "beta",
+        "expected_victims": [{"model": "alpha", "config": "a0", "action": "stop"}],
+    }
     status, body = await world.shim_post("/api/placement/load", stale_body, token)
     assert status == 409 and "victim set changed" in body["error"], body
     await assert_untouched(world)

@@ -23,6 +23,7 @@ the one :mod:`uapplace.recovery.recover`'s table gives:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -36,7 +37,8 @@ from dbus_fast import Message, MessageType
 
 from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
 from tests.systemd.conftest import EngineUnit, UnitFiles
-from tests.systemd.placement_world import FAST, POLICY, UnitTimeline, registry_json
+from tests.systemd.live_world import seed_daemon_files
+from tests.systemd.placement_world import FAST, UnitTimeline, declare_pause_lever, registry_json
 from tests.worlds import polling
 from uapplace.bus.client import PlacementClient, PlacementError
 from uapplace.bus.util import bus_daemon_message
@@ -128,6 +130,14 @@ class CrashWorld:
 
         await self.until("alpha hot", alpha_hot)
 
+    async def until_residents(self, client: PlacementClient, want: dict[str, str]) -> None:
+        """Until ``GetState``'s residents are exactly ``want`` (model → state)."""
+
+        async def reached() -> bool:
+            return await resident_states(client) == want
+
+        await self.until(f"residents {want}", reached)
+
     async def until_killed(self) -> None:
         """Until the daemon the crash hook SIGKILLs has exited; it must have been killed."""
         daemon = self.daemon
@@ -158,37 +168,32 @@ async def resident_states(client: PlacementClient) -> dict[str, str]:
     return {r["model"]: r["state"] for r in state["residents"]}
 
 
-@pytest.fixture
-async def world(
+@contextlib.asynccontextmanager
+async def crash_world(
+    case: Case,
     user_manager: ContainedUserManager,
     units: UnitManager,
     unit_files: UnitFiles,
     tmp_path: Path,
-    request: pytest.FixtureRequest,
+    lever: Sequence[str],
 ) -> AsyncIterator[CrashWorld]:
-    case: Case = request.param
+    """The machine, ``alpha`` started, no daemon yet; ``lever`` is both engines' extra
+    arguments (their sleep mode); ``case.pause`` gives both configs a ``pause_lever``."""
     proxy = sim_proxy.FakeProxy()
     runner, proxy_url = await sim_proxy.start(proxy)
     crash_world: CrashWorld | None = None
     try:
         uap = make_env(tmp_path / "uap", user_manager.bus_address)
         sim = SimGpu(Path(uap.env["UAPPLACE_SIM_GPU"]))
-        load = ["--load-secs", "0.3", "--kv", "int8", *(["--sleep-mode"] if case.pause else [])]
+        load = ["--load-secs", "0.3", "--kv", "int8", *lever]
         alpha = unit_files.engine("alpha", "alpha", sim, mib=14000, engine_args=load)
         beta_args = [*load, "--advertise", "beta-latest", *case.beta_args]
         beta = unit_files.engine("beta", "beta", sim, mib=16000, engine_args=beta_args)
         await units.reload()
         registry = registry_json(alpha, beta)
         if case.pause:
-            for model in registry["models"].values():
-                for config in model["configs"].values():
-                    config["pause_lever"] = "vllm-sleep-1"
-        uap.write_registry(registry)
-        (uap.config_dir / "capacity-policy.json").write_text(json.dumps(POLICY), encoding="utf-8")
-        uap.home.mkdir(parents=True, exist_ok=True)
-        (uap.home / "enforcement-timeouts.json").write_text(
-            json.dumps(FAST.to_json()), encoding="utf-8"
-        )
+            declare_pause_lever(registry, "vllm-sleep-1")
+        seed_daemon_files(uap, registry, FAST)
         uap.env["UAP_PROXY_URL"] = proxy_url
         started = await units.start_unit(alpha.name, GUARD_S)
         assert started.ok, started
@@ -204,28 +209,54 @@ async def world(
         await runner.cleanup()
 
 
-async def park_beta(world: CrashWorld, client: PlacementClient) -> tuple[str, int, list[str]]:
-    """Admit beta (parks), wait for its options; the displace option's index and signature."""
-    decision = await client.admit("beta", "crash-test", "", 0)
-    assert decision["decision"] == "park", decision
-    placement_id = decision["placement_id"]
+@pytest.fixture
+async def world(
+    user_manager: ContainedUserManager,
+    units: UnitManager,
+    unit_files: UnitFiles,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[CrashWorld]:
+    case: Case = request.param
+    lever = ["--sleep-mode"] if case.pause else []
+    async with crash_world(case, user_manager, units, unit_files, tmp_path, lever) as world:
+        yield world
+
+
+async def planned_options(
+    world: CrashWorld, client: PlacementClient, placement_id: str, what: str
+) -> list[dict[str, Any]]:
+    """The options planned for the parked ``placement_id``, once there are any."""
 
     async def planned() -> list[dict[str, Any]] | None:
         entries = (await client.list_pending())["pending"]
         entry = next((e for e in entries if e["id"] == placement_id), None)
         return entry["options"] if entry is not None and entry["options"] else None
 
-    options: list[dict[str, Any]] = await world.until("beta's options", planned)
+    options: list[dict[str, Any]] = await world.until(what, planned)
+    return options
+
+
+def option_signature(option: dict[str, Any]) -> list[str]:
+    """The signature an apply of ``option`` sends."""
+    return sorted(
+        option.get("signature") or (f"{v['model']}/{v['config']}" for v in option["victims"])
+    )
+
+
+async def park_beta(world: CrashWorld, client: PlacementClient) -> tuple[str, int, list[str]]:
+    """Admit beta (parks), wait for its options; the displace option's index and signature."""
+    decision = await client.admit("beta", "crash-test", "", 0)
+    assert decision["decision"] == "park", decision
+    placement_id = decision["placement_id"]
+    options = await planned_options(world, client, placement_id, "beta's options")
     action = "pause" if world.case.pause else "stop"
     index, option = next(
         (i, o)
         for i, o in enumerate(options, 1)
         if o["kind"] == "displace" and all(v.get("action", "stop") == action for v in o["victims"])
     )
-    signature = sorted(
-        option.get("signature") or (f"{v['model']}/{v['config']}" for v in option["victims"])
-    )
-    return placement_id, index, signature
+    return placement_id, index, option_signature(option)
 
 
 async def crash_during_apply(world: CrashWorld, case: Case) -> tuple[str, dict[str, Any]]:
@@ -260,11 +291,7 @@ async def check_recovered(
         assert found["detail"]["step"] == case.crash_at, found
         assert run_id in found["message"] and case.crash_at in found["message"], found
 
-        async def serving_hot() -> dict[str, str] | None:
-            states = await resident_states(client)
-            return states if states == {case.serving: "hot"} else None
-
-        await world.until(f"{case.serving} the only resident, hot", serving_hot)
+        await world.until_residents(client, {case.serving: "hot"})
         other = "beta" if case.serving == "alpha" else "alpha"
         assert (await world.units.state(world.unit_of(case.serving).name)).active_state == "active"
         assert (await world.units.state(world.unit_of(other).name)).active_state in (
@@ -363,12 +390,7 @@ async def test_an_unload_killed_at_a_step_is_repaired_at_restart(world: CrashWor
         found = await world.recovery_alert(client, run_id)
         print(f"unload {case.crash_at}: {found['message']}")
         assert (found["kind"], found["detail"]["outcome"]) == ("recovery_done", case.outcome)
-        want = {"alpha": "hot"} if case.serving else {}
-
-        async def settled() -> bool:
-            return await resident_states(client) == want
-
-        await world.until(f"residents {want}", settled)
+        await world.until_residents(client, {"alpha": "hot"} if case.serving else {})
         alpha = (await world.units.state(world.alpha.name)).active_state
         assert alpha == ("active" if case.serving else "inactive"), alpha
         assert not world.journal.exists()
@@ -456,12 +478,7 @@ async def test_a_pause_run_killed_after_the_pause_never_publishes_a_sleeping_vic
         assert (found["kind"], found["detail"]["outcome"]) == ("recovery_done", case.outcome)
         assert "alpha/a1" in found["message"], found
         want = {"alpha": "hot"} if case.serving == "alpha" else {"alpha": "paused", "beta": "hot"}
-
-        async def settled() -> dict[str, str] | None:
-            states = await resident_states(client)
-            return states if states == want else None
-
-        await world.until(f"residents {want}", settled)
+        await world.until_residents(client, want)
         asleep = await engines.is_sleeping(world.alpha.endpoint)
         if case.serving == "alpha":
             assert "woke alpha/a1" in found["message"], found

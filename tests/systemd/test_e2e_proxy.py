@@ -79,8 +79,11 @@ async def test_park_then_operator_apply_then_the_retry_forwards(world: LiveWorld
     # The operator looks at the options: beta displaces alpha.
     options = await world.options_of(placement_id)
     index, option = next((i, o) for i, o in enumerate(options, 1) if o["kind"] == "displace")
-    victims = [{"model": v["model"], "config": v["config"]} for v in option["victims"]]
-    assert victims == [{"model": "alpha", "config": "a1"}]
+    victims = [
+        {"model": v["model"], "config": v["config"], "action": v["action"]}
+        for v in option["victims"]
+    ]
+    assert victims == [{"model": "alpha", "config": "a1", "action": "stop"}]
 
     # A stale approval (a victim set that is not the real one) is refused; nothing moves.
     status, refused = await world.resolve(placement_id, index, [])

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from typing import Any
 
 import aiohttp
 import pytest
 
 from tests.systemd.conftest import APPLY_STEPS
-from tests.systemd.live_world import GUARD_S, LiveWorld
+from tests.systemd.live_world import GUARD_S, LiveWorld, validate
 from uapplace.bus.events import parse_sse
 
 pytestmark = pytest.mark.systemd
@@ -99,8 +97,11 @@ async def test_park_apply_retry_through_one_upstream_with_the_event_stream(
     # Both would fit the card, but one port holds one engine: no load_alongside.
     options = await world.options_of(placement_id)
     assert [o["kind"] for o in options] == ["displace"], options
-    victims = [{"model": v["model"], "config": v["config"]} for v in options[0]["victims"]]
-    assert victims == [{"model": "alpha", "config": "a1"}]
+    victims = [
+        {"model": v["model"], "config": v["config"], "action": v["action"]}
+        for v in options[0]["victims"]
+    ]
+    assert victims == [{"model": "alpha", "config": "a1", "action": "stop"}]
 
     status, applied = await world.resolve(placement_id, 1, victims)
     assert status == 200, applied
@@ -132,18 +133,6 @@ async def test_park_apply_retry_through_one_upstream_with_the_event_stream(
     assert resolved[0] > verified
     ids = [data["id"] for _, data in seen]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
-
-
-def validate(world: LiveWorld) -> tuple[int, dict[str, Any]]:
-    done = subprocess.run(
-        [sys.executable, "-m", "uapplace.cli", "validate", "--json"],
-        env=world.uap.env,
-        capture_output=True,
-        text=True,
-        timeout=GUARD_S,
-        check=False,
-    )
-    return done.returncode, json.loads(done.stdout)
 
 
 async def test_validate_flags_a_second_port_under_a_single_upstream(world: LiveWorld) -> None:

@@ -26,6 +26,7 @@ from tests.systemd.placement_world import (
 )
 from tests.worlds.steps import UNLOAD_STEPS
 from uapplace.core.errors import Busy, Drifted
+from uapplace.core.model import ParkReason
 from uapplace.files.timeouts import Timeouts
 from uapplace.io import engines
 from uapplace.sim.gpu import sim_uuid
@@ -165,8 +166,12 @@ async def test_a_failed_new_backend_is_rolled_back_and_alpha_is_healthy_again(
     assert allocations(world) == [ALPHA_MIB]
     # beta was never published as hot: admission never forwarded to a broken backend.
     assert "hot" not in world.events.states_of("beta")
-    # The pending entry is still there for the operator (the swap did not happen).
-    assert world.controller.admission.get(entry.id) is not None
+    # The pending entry is still there for the operator (the swap did not happen), and
+    # says ``failed``: the client's retry can tell it from waiting (issue 21 item 2).
+    failed_entry = world.controller.admission.get(entry.id)
+    assert failed_entry is not None and failed_entry.reason is ParkReason.FAILED
+    retry = world.controller.admit("beta", entry.client, "", 0)
+    assert (retry.placement_id, retry.reason) == (entry.id, "failed")
 
 
 @pytest.mark.parametrize("world_options", [{"orphan": True}], indirect=True)

@@ -29,6 +29,7 @@ from tests.systemd.placement_world import (
     step_names,
 )
 from uapplace.controller import views
+from uapplace.core.model import ParkReason
 from uapplace.files.timeouts import Timeouts
 from uapplace.io import engines
 from uapplace.io.units import MANAGER_IFACE, MANAGER_PATH, SYSTEMD
@@ -109,7 +110,9 @@ async def test_a_new_unit_that_does_not_exist_is_refused_and_the_victim_never_st
     assert "draining" not in world.events.states_of("alpha")
     await assert_alpha_serving(world)
     assert result["runningAfter"] == [alpha_running(world)]
-    assert world.controller.admission.get(entry.id) is not None
+    refused = world.controller.admission.get(entry.id)  # kept, and says so (issue 21 item 2)
+    assert refused is not None and refused.reason is ParkReason.FAILED
+    assert world.controller.admit("beta", entry.client, "", 0).reason == "failed"
     assert world.controller.alerts.active() == []  # the operator's own call: the result says it
 
 

@@ -19,7 +19,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.systemd.conftest import UnitFiles
 from tests.systemd.placement_world import (
     ALPHA_MIB,
     FAST,
@@ -38,6 +37,8 @@ pytestmark = pytest.mark.systemd
 LOAD_SECS = 0.3
 """The world's engines load this long (``--load-secs``): a start can never be quicker."""
 WAKE_DELAY = 0.2
+ALPHA = ("alpha/a1",)
+"""``PreviewUnload("alpha")``'s signature: the one resident that stops."""
 
 
 @pytest.fixture
@@ -46,13 +47,15 @@ def world(built_world: World) -> World:
     return built_world
 
 
-def local_doc(world: World) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads(world.paths.local_registry.read_text(encoding="utf-8"))
-    return doc
+async def measure_envelope(world: World, expected: tuple[str, ...] = ALPHA) -> dict[str, Any]:
+    """``MeasureEnvelope`` of alpha/a1 with the signature ``PreviewUnload`` shows."""
+    return await world.controller.enforcement.measure(
+        "alpha", "a1", envelope=True, expected=expected
+    )
 
 
 def edit_local_config(world: World, model: str, config: str, **fields: Any) -> None:
-    doc = local_doc(world)
+    doc = world.local_doc()
     doc["models"][model]["configs"][config].update(fields)
     world.paths.local_registry.write_text(json.dumps(doc), encoding="utf-8")
 
@@ -72,9 +75,9 @@ async def test_envelope_is_measured_on_the_fake_engine_and_stored(world: World) 
         await world.start_alpha()
         first_pid = (await world.units.state(world.alpha.name)).main_pid
 
-        result = await world.controller.enforcement.measure("alpha", "a1", envelope=True)
+        result = await measure_envelope(world)
 
-    written = local_doc(world)["models"]["alpha"]["configs"]["a1"]
+    written = world.local_doc()["models"]["alpha"]["configs"]["a1"]
     envelope = written["envelope"]
     assert envelope == result["envelope"]
     assert envelope["measured_on"] == "gpu0"
@@ -105,14 +108,14 @@ async def test_envelope_is_measured_on_the_fake_engine_and_stored(world: World) 
 
 
 async def test_envelope_needs_the_footprint_first(world: World) -> None:
-    doc = local_doc(world)
+    doc = world.local_doc()
     del doc["models"]["alpha"]
     world.paths.local_registry.write_text(json.dumps(doc), encoding="utf-8")
     assert await world.controller.reload()
     async with asyncio.timeout(GUARD_S):
         await world.units.start_unit(world.alpha.name, GUARD_S)
         with pytest.raises(MeasurementRefused, match=r"run `uapplace measure alpha a1` first"):
-            await world.controller.enforcement.measure("alpha", "a1", envelope=True)
+            await measure_envelope(world)
     assert (await world.units.state(world.alpha.name)).active_state == "active", "untouched"
 
 
@@ -126,7 +129,7 @@ async def test_a_failing_wake_writes_nothing_and_leaves_the_engine_serving(world
     async with asyncio.timeout(GUARD_S):
         await world.start_alpha()
         with pytest.raises(MeasurementRefused, match=r"wake: .*--fail-wake.*restarted and serving"):
-            await world.controller.enforcement.measure("alpha", "a1", envelope=True)
+            await measure_envelope(world)
         await world.events.until(lambda: world.state_of("alpha") == "hot")
     assert world.paths.local_registry.read_text(encoding="utf-8") == before
     held = [a.used_mib for a in world.sim.read().allocations]
@@ -202,30 +205,15 @@ async def test_a_never_healthy_engine_is_rolled_back_within_its_envelope_bound(
 # --------------------------------------------------------------------------- CPU tier
 
 
-async def test_a_cpu_only_config_is_measured_on_cpu0_placed_and_served(
-    world: World, unit_files: UnitFiles
-) -> None:
-    gamma = unit_files.engine(
-        "gamma", "gamma", None, engine_args=["--load-secs", str(LOAD_SECS), "--host-mib", "32"]
-    )
-    await world.units.reload()
-    repo = json.loads(world.paths.repo_registry.read_text(encoding="utf-8"))
-    repo["models"]["gamma"] = {
-        "display": "Gamma (CPU)",
-        "engine": "llama.cpp",
-        "unit": gamma.name,
-        "endpoint": gamma.endpoint,
-        "configs": {"c1": {"status": "unmeasured"}},
-    }
-    world.paths.repo_registry.write_text(json.dumps(repo), encoding="utf-8")
-    assert await world.controller.reload()
+async def test_a_cpu_only_config_is_measured_on_cpu0_placed_and_served(world: World) -> None:
+    gamma = await world.add_cpu_gamma(["--load-secs", str(LOAD_SECS), "--host-mib", "32"])
 
     async with asyncio.timeout(GUARD_S):
         await world.start_alpha()
         assert (await world.units.start_unit(gamma.name, GUARD_S)).ok
         assert await engines.wait_healthy(gamma.endpoint, time.monotonic() + GUARD_S)
         measured = await world.controller.enforcement.measure("gamma", "c1")
-    written = local_doc(world)["models"]["gamma"]["configs"]["c1"]
+    written = world.local_doc()["models"]["gamma"]["configs"]["c1"]
     assert (written["measured_on"], written["resident_gpu_mib"]) == ("cpu0", 0.0)
     assert written["host_rss_mib"] >= 32, "the unit's RSS, host memory included"
     assert measured["device"]["kind"] == "cpu"

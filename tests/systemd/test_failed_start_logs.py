@@ -30,10 +30,9 @@ from typing import Any
 
 import pytest
 
-from tests.bus.conftest import run_cli
-from tests.bus.dbusmock_fixtures import MockService, spawn_template
+from tests.bus.dbusmock_fixtures import MockService
 from tests.systemd.conftest import UnitFiles
-from tests.systemd.live_world import GUARD_S, LiveWorld, live_world
+from tests.systemd.live_world import GUARD_S, LiveWorld, cli, live_world
 from uapplace.io.unitlogs import BLOCK_INDENT
 from uapplace.io.units import UnitManager
 from uapplace.sim.usermanager import ContainedUserManager
@@ -41,19 +40,6 @@ from uapplace.sim.usermanager import ContainedUserManager
 pytestmark = pytest.mark.systemd
 
 ENGINE_SAYS = "uapplace.sim.engine: failing at start (--fail-at-start)"
-CLI_TIMEOUT_S = 120.0
-"""A hang guard for one CLI run, not a speed bound."""
-
-
-@pytest.fixture
-async def notifications(
-    user_manager: ContainedUserManager, tmp_path: Path
-) -> AsyncIterator[MockService]:
-    mock = spawn_template("notification_daemon", user_manager.bus_address, tmp_path)
-    try:
-        yield mock
-    finally:
-        mock.stop()
 
 
 @pytest.fixture
@@ -72,11 +58,6 @@ async def world(
         beta_args=["--fail-at-start"],
     ) as live:
         yield live
-
-
-async def cli(world: LiveWorld, *args: str) -> tuple[int, str, str]:
-    done = await asyncio.to_thread(run_cli, world.uap, *args, timeout=CLI_TIMEOUT_S)
-    return done.returncode, done.stdout, done.stderr
 
 
 async def log_to_file(world: LiveWorld, unit_dir: Path, log: Path) -> None:

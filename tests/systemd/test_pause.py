@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,17 @@ from tests.systemd.conftest import UnitFiles
 from tests.systemd.placement_world import (
     ALPHA_MIB,
     BETA_MIB,
+    FAST,
     GUARD_S,
     World,
     build_world,
     close_world,
+    declare_pause_lever,
 )
-from uapplace.core.model import OptionKind, PendingEntry
+from uapplace.consent.auto import AutoRunner, enforcement_envelope_s
+from uapplace.consent.idle import IdleSweep
+from uapplace.core.model import OptionKind, ParkReason, PendingEntry, Plan, PreviewReason
+from uapplace.files.autopolicy import PolicyStore
 from uapplace.io import engines
 from uapplace.io.units import UnitManager
 from uapplace.publish import verify
@@ -43,9 +49,7 @@ def declare_levers(world: World, lever: str = "vllm-sleep-1") -> None:
     """Both configs declare the lever, in the repo file and the machine-local one."""
     for path in (world.paths.repo_registry, world.paths.local_registry):
         doc = json.loads(path.read_text(encoding="utf-8"))
-        for model in doc["models"].values():
-            for config in model.get("configs", {}).values():
-                config["pause_lever"] = lever
+        declare_pause_lever(doc, lever)
         path.write_text(json.dumps(doc), encoding="utf-8")
 
 
@@ -204,3 +208,65 @@ async def test_a_failing_wake_rolls_back_and_beta_serves_again(
     assert world.state_of("beta") == "hot" and world.state_of("alpha") == "paused"
     assert world.controller.admit("beta", "client-1", "", 0).decision == "forward"
     assert world.enforcer.marks.draining == frozenset()
+
+
+# --------------------------------------------------------------------------- the paused lifecycle
+
+
+def wire_consent(world: World, **policy: Any) -> tuple[AutoRunner, IdleSweep]:
+    """The auto runner and the idle sweep over the world's controller, as ``wiring`` builds
+    them, under the auto policy ``policy``."""
+    path = world.paths.auto_policy
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(policy), encoding="utf-8")
+    registry = world.controller.config.registry
+    store = PolicyStore(path, registry)
+    runner = AutoRunner(
+        world.controller, world.enforcer, store, registry, envelope_s=enforcement_envelope_s(FAST)
+    )
+    return runner, IdleSweep(world.controller, world.enforcer, store, registry)
+
+
+async def test_a_paused_model_parks_paused_and_auto_wakes_it_when_that_stops_nobody(
+    world: World,
+) -> None:
+    """Issue 21 item 6: the park says ``paused``; once beta is gone the wake stops nobody,
+    so auto takes it with no ``allow_displace``."""
+    await pause_alpha_for_beta(world)
+    parked = world.controller.admit("alpha", "client-2", "", 0)
+    assert (parked.decision, parked.reason) == ("park", "paused")
+    async with asyncio.timeout(GUARD_S):
+        unloaded = await world.controller.enforcement.unload("beta", BETA_STOPPED)
+    assert unloaded["ok"] is True, unloaded
+
+    runner, _ = wire_consent(world, enabled=True)
+    entry = await world.park("alpha", "client-3")
+    assert entry.reason is ParkReason.PAUSED
+    assert forms(entry) == [("wake", ())]
+    scheduled = await runner.schedule(entry, Plan("alpha", PreviewReason.OK, entry.options))
+    assert scheduled is ParkReason.AUTO_LOADING
+    async with asyncio.timeout(GUARD_S):
+        await runner.wait_idle()
+    assert world.state_of("alpha") == "hot"
+    assert await engines.is_sleeping(world.alpha.endpoint) is False
+    assert world.controller.admit("alpha", "client-3", "", 0).decision == "forward"
+
+
+async def test_the_idle_sweep_unloads_a_paused_resident_it_may(world: World) -> None:
+    """Issue 21 item 6: a paused resident holds host RAM; the sweep unloads it past its
+    window under ``unload_allow``, and leaves it alone without consent."""
+    await pause_alpha_for_beta(world)
+    _, refused = wire_consent(world, unload_idle_after_secs=60, unload_allow=["beta-other"])
+    now = time.time()
+    await refused.tick(now)
+    report = await refused.tick(now + 120)
+    assert report.unloaded == [] and world.state_of("alpha") == "paused"
+
+    _, sweep = wire_consent(world, unload_idle_after_secs=60, unload_allow=["alpha"])
+    await sweep.tick(now + 200)
+    async with asyncio.timeout(GUARD_S):
+        report = await sweep.tick(now + 400)
+    assert report.unloaded == ["alpha"], report
+    assert await active(world, world.alpha.name) == "inactive"
+    assert world.resident("alpha") is None and world.state_of("beta") == "hot"
+    assert allocations(world) == [BETA_MIB]

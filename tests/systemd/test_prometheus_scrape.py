@@ -15,44 +15,26 @@ PID, the sandbox torn down as the demo's is.
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
-from tests.worlds.prometheus import JOB, PrometheusServer, binary, rules_with_for
+from tests.systemd.conftest import require_containment
+from tests.worlds.prometheus import (
+    JOB,
+    UNTIL_GUARD_S,
+    PrometheusServer,
+    binary,
+    rules_with_for,
+    until,
+)
+from tests.worlds.prometheus import PARKED_ALERT as ALERT
 from uapplace.demo.sandbox import WRITER, Sandbox, SandboxSpec
 from uapplace.demo.walkthrough import shim_admit
-from uapplace.sim.usermanager import can_contain
 
 pytestmark = pytest.mark.systemd
-
-ALERT = "UapplaceRequestsParkedTooLong"
-GUARD_S = 60.0
-"""A hang guard: the alert fires a few seconds after the first scrape."""
-T = TypeVar("T")
-
-
-def require_containment() -> None:
-    ok, why = can_contain()
-    if not ok:
-        if os.environ.get("UAPPLACE_REQUIRE_SYSTEMD") == "1":
-            pytest.fail(f"UAPPLACE_REQUIRE_SYSTEMD=1 but no contained systemd --user here: {why}")
-        pytest.skip(f"no contained systemd --user here: {why}")
-
-
-async def until(what: str, server: PrometheusServer, check: Callable[[], T | None]) -> T:
-    deadline = asyncio.get_running_loop().time() + GUARD_S
-    while True:
-        found = await asyncio.to_thread(check)
-        if found:
-            return found
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{what} within {GUARD_S:g} s; prometheus log:\n{server.log()}")
-        await asyncio.sleep(0.5)
 
 
 def firing(server: PrometheusServer, name: str) -> dict[str, Any] | None:
@@ -103,6 +85,6 @@ async def test_a_real_prometheus_scrapes_the_demos_shim_and_an_alert_fires(
             server,
             lambda: value(server, "uapplace:pending_oldest_age_seconds"),
         )
-        assert 0 <= age < GUARD_S + 5
+        assert 0 <= age < UNTIL_GUARD_S + 5
         others = {a["labels"]["alertname"] for a in await asyncio.to_thread(server.alerts)}
         assert others == {ALERT}, others  # the demo's world is healthy otherwise

@@ -26,18 +26,20 @@ import psutil
 import pytest
 
 from tests.systemd.conftest import UnitFiles, free_port
-from tests.systemd.placement_world import FAST, GUARD_S, Recorder, step_names
+from tests.systemd.placement_world import (
+    FAST,
+    GUARD_S,
+    Recorder,
+    park,
+    step_names,
+    wire_controller,
+)
 from tests.worlds.registries import measured, sim_devices
 from uapplace.controller.controller import Controller
-from uapplace.controller.dropins import no_manager_to_reload
-from uapplace.controller.holds import ProxyHolders
 from uapplace.core.model import OptionKind, PendingEntry, ResidentState
-from uapplace.daemon.wiring import EnforcementStack, attach_enforcement
+from uapplace.daemon.wiring import EnforcementStack
 from uapplace.enforce.host import ControllerHost
-from uapplace.files.paths import Paths
-from uapplace.files.registry import local_measurements
 from uapplace.io import rails, router
-from uapplace.io.engines import ProxyClient
 from uapplace.io.router import HTTP_ROUTER
 from uapplace.io.units import UnitManager
 from uapplace.measure.reading import EngineReader, MeasurementRefused
@@ -82,17 +84,7 @@ class RouterWorld:
         return out
 
     async def park(self, model: str) -> PendingEntry:
-        decision = self.controller.admit(model, "client-1", "", 0)
-        assert decision.decision == "park", decision
-
-        def planned() -> bool:
-            entry = self.controller.admission.get(decision.placement_id)
-            return entry is not None and bool(entry.options)
-
-        await self.events.until(planned)
-        entry = self.controller.admission.get(decision.placement_id)
-        assert entry is not None
-        return entry
+        return await park(self.controller, self.events, model)
 
     async def apply(self, entry: PendingEntry, option: int, expected: list[str]) -> dict[str, Any]:
         async with asyncio.timeout(GUARD_S):
@@ -149,32 +141,16 @@ async def world(
     proxy_runner, proxy_url = await sim_proxy.start(proxy)
     unit, endpoint = router_unit(unit_files, sim_gpu, tmp_path)
     await units.reload()
-    config_dir, uap_home = tmp_path / "config", tmp_path / "uap"
-    config_dir.mkdir()
-    uap_home.mkdir()
-    registry = registry_json(unit, endpoint)
-    (config_dir / "model-registry.json").write_text(json.dumps(registry), encoding="utf-8")
-    local = json.dumps(local_measurements(registry))
-    (uap_home / "model-registry.json").write_text(local, encoding="utf-8")
-    (config_dir / "capacity-policy.json").write_text('{"services": []}', encoding="utf-8")
-    paths = Paths.from_env(
-        {
-            "HOME": str(tmp_path),
-            "UAP_HOME": str(uap_home),
-            "UAPPLACE_CONFIG_DIR": str(config_dir),
-            "UAPPLACE_SIM_GPU": str(sim_gpu.path),
-            "XDG_RUNTIME_DIR": str(tmp_path / "run"),
-            "XDG_CONFIG_HOME": str(tmp_path / "xdg-config"),
-            "UAP_PROXY_URL": proxy_url,
-        }
+    wired = await wire_controller(
+        tmp_path,
+        units,
+        registry_json(unit, endpoint),
+        proxy_url=proxy_url,
+        timeouts=FAST,
+        policy={"services": []},
+        sim=sim_gpu,
     )
-    events = Recorder()
-    client = ProxyClient(paths.proxy_url, None)
-    controller = Controller.open(
-        paths, events=events, proxy=ProxyHolders(client), reload_units=no_manager_to_reload
-    )
-    await controller.start()
-    stack = await attach_enforcement(controller, paths, client, units=units, timeouts=FAST)
+    controller, stack, events = wired.controller, wired.stack, wired.events
     built = RouterWorld(units, unit, endpoint, sim_gpu, controller, stack, events, proxy_runner)
     try:
         yield built

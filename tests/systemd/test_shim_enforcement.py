@@ -75,7 +75,10 @@ async def test_admits_answer_within_the_proxys_deadline_while_a_swap_runs(
     assert (status, parked["decision"]) == (200, "park"), parked
     options = await world.options_of(parked["placement_id"])
     index, option = next((i, o) for i, o in enumerate(options, 1) if o["kind"] == "displace")
-    victims = [{"model": v["model"], "config": v["config"]} for v in option["victims"]]
+    victims = [
+        {"model": v["model"], "config": v["config"], "action": v["action"]}
+        for v in option["victims"]
+    ]
 
     run = asyncio.ensure_future(world.resolve(parked["placement_id"], index, victims))
     answers: list[Answered] = []

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tests.worlds.seed_docs import ALPHA_ENDPOINT
+from uapplace.core.model import Resident, ResidentState
 from uapplace.files.paths import Paths
 from uapplace.files.registry import local_measurements
 from uapplace.sim.gpu import SimGpu, sim_uuid
@@ -56,4 +58,22 @@ def registry_paths(tmp_path: Path, registry: Mapping[str, Any]) -> Paths:
             "UAPPLACE_SIM_GPU": str(tmp_path / "sim.json"),
             "XDG_RUNTIME_DIR": str(tmp_path / "run"),
         }
+    )
+
+
+def alpha_resident(state: ResidentState = ResidentState.HOT) -> Resident:
+    """``alpha/alpha-q4`` on gpu0 at :data:`~tests.worlds.seed_docs.ALPHA_ENDPOINT`, in
+    ``state``, holding nothing: the ledger row of :func:`tests.worlds.seed_docs.alpha_resident`
+    as the controller holds it."""
+    return Resident(
+        model="alpha",
+        config="alpha-q4",
+        device="gpu0",
+        engine="llama.cpp",
+        endpoint=ALPHA_ENDPOINT,
+        unit="uap-alpha",
+        state=state,
+        gpu_mib=8000,
+        host_rss_mib=2000,
+        since="2026-01-01T00:00:00Z",
     )

@@ -27,11 +27,12 @@ verify-free on the host), ``test_enforce_safety.py`` and ``test_enforce_unit.py`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,8 @@ class ListHost:
     """When set, ``plan_input`` waits for it (a test holds a run in revalidation)."""
     on_inflight: Callable[[], None] | None = None
     """Called each time the drain asks for the in-flight list (a test looks mid-drain)."""
+    forwarded: dict[str, float] = field(default_factory=dict)
+    """Target id → seconds since admission last answered ``forward`` to it (the lease)."""
 
     def __post_init__(self) -> None:
         self.alert_board = AlertBoard(lambda: 0.0, self._note_alert)
@@ -184,6 +187,16 @@ class ListHost:
 
     def holds(self, resident: Resident) -> Sequence[Holder]:
         return [h for model, h in self.bus_holds if model == resident.model]
+
+    def forward_age(self, target_id: str) -> float | None:
+        return self.forwarded.get(target_id)
+
+    def pending_entry(self, placement_id: str) -> PendingEntry | None:
+        return self.entries.get(placement_id)
+
+    @contextlib.asynccontextmanager
+    async def durable_resolutions(self) -> AsyncIterator[None]:
+        yield
 
     async def read_devices(self) -> Mapping[str, DeviceReading]:
         return self.readings()
@@ -576,24 +589,37 @@ class Scene:
         )
 
     def park(self, model: str) -> PendingEntry:
-        inp = PlanInput(self.host.reg, self.host.live, self.host.readings())
-        entry = PendingEntry(
-            "plc-000001",
-            model,
-            "client",
-            None,
-            0.0,
-            1e12,
-            ParkReason.NOT_RESIDENT,
-            options=plan(inp, model).options,
-        )
-        self.host.entries[entry.id] = entry
-        return entry
+        return park_on(self.host, self.host.readings(), model, "plc-000001")
 
     def assert_ended_cleanly(self) -> None:
         """Whatever the outcome: the journal is gone and no draining mark is left."""
-        assert self.journal.read() is None
-        assert self.enforcer.marks.draining == frozenset()
+        assert_ended_cleanly(self.journal, self.enforcer)
+
+
+def park_on(
+    host: ListHost, readings: Mapping[str, DeviceReading], model: str, placement_id: str
+) -> PendingEntry:
+    """``model`` parked on ``host`` as ``placement_id``, with the options the planner gives
+    over ``readings``."""
+    inp = PlanInput(host.reg, host.live, readings)
+    entry = PendingEntry(
+        placement_id,
+        model,
+        "client",
+        None,
+        0.0,
+        1e12,
+        ParkReason.NOT_RESIDENT,
+        options=plan(inp, model).options,
+    )
+    host.entries[entry.id] = entry
+    return entry
+
+
+def assert_ended_cleanly(journal: Journal, enforcer: Enforcer) -> None:
+    """Whatever the outcome: the journal is gone and no draining mark is left."""
+    assert journal.read() is None
+    assert enforcer.marks.draining == frozenset()
 
 
 def steps(result: dict[str, Any]) -> list[tuple[str, bool]]:

@@ -23,14 +23,24 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from enforce_fakes import FAST, GPU, HOST, FakeEngines, FakeUnits, ListHost, host_reading, measured
+from enforce_fakes import (
+    FAST,
+    GPU,
+    HOST,
+    FakeEngines,
+    FakeUnits,
+    ListHost,
+    assert_ended_cleanly,
+    host_reading,
+    measured,
+    park_on,
+)
 
 from tests.worlds.builders import MEASURED_AT
 from uapplace.core.model import (
     DeviceKind,
     DeviceReading,
     Model,
-    ParkReason,
     PendingEntry,
     ProbeSource,
     ProcessUsage,
@@ -38,7 +48,6 @@ from uapplace.core.model import (
     Resident,
     ResidentState,
 )
-from uapplace.core.planner import PlanInput, plan
 from uapplace.enforce.enforcer import Enforcer
 from uapplace.files.journal import Journal
 from uapplace.io.router import RouterError, RouterModel
@@ -225,23 +234,10 @@ class RouterWorld:
         return {"gpu0": replace(gpu, processes=tuple(processes)), "cpu0": host_reading(100000.0)}
 
     def park(self, model: str) -> PendingEntry:
-        inp = PlanInput(self.host.reg, self.host.live, self.readings())
-        entry = PendingEntry(
-            f"plc-{model}",
-            model,
-            "client",
-            None,
-            0.0,
-            1e12,
-            ParkReason.NOT_RESIDENT,
-            options=plan(inp, model).options,
-        )
-        self.host.entries[entry.id] = entry
-        return entry
+        return park_on(self.host, self.readings(), model, f"plc-{model}")
 
     def states(self) -> dict[str, str]:
         return self.host.states()
 
     def assert_ended_cleanly(self) -> None:
-        assert self.journal.read() is None
-        assert self.enforcer.marks.draining == frozenset()
+        assert_ended_cleanly(self.journal, self.enforcer)

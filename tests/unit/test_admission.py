@@ -8,7 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from uapplace.core.admission import Admission, new_placement_id
+from uapplace.core.admission import (
+    MAX_REFUSED,
+    REFUSED_WINDOW_S,
+    Admission,
+    new_placement_id,
+)
 from uapplace.core.model import (
     DEFAULT_CELLS,
     Config,
@@ -124,17 +129,55 @@ def test_a_serving_resident_forwards(
     assert admission.pending == {}
 
 
+def test_a_resident_is_forwarded_to_only_when_its_context_fits() -> None:
+    """Issue 21 item 8: a stated ``cells`` past the config's per-session cap parks (a
+    resident on another device that fits serves instead); unstated context forwards."""
+    small = replace(STRATA, per_session_cap_cells=8_192)
+    big = replace(STRATA, key="strata-big", per_session_cap_cells=65_536)
+    model = replace(FLASH, configs={small.key: small, big.key: big})
+    registry = replace(REGISTRY, models={**REGISTRY.models, FLASH.key: model})
+    admission = Admission(registry, new_id=counter_ids())
+    admission.set_residents([resident()])
+    for cells in (None, 8_192, 32_768):  # 32,768: the contract's stand-in for "not said"
+        decision, _ = admission.decide(FLASH.key, "c", None, cells, NOW)
+        assert decision.decision == "forward", cells
+    decision, entry = admission.decide(FLASH.key, "c", None, 8_193, NOW)
+    assert (decision.decision, decision.reason) == ("park", "not_resident")
+    assert entry is not None and entry.cells == 8_193
+    admission.set_residents([resident(), resident(config=big.key, device="gpu1")])
+    decision, _ = admission.decide(FLASH.key, "d", None, 40_000, NOW)
+    assert decision == Decision("forward", target_id=f"gpu1:{ENDPOINT}")
+
+
 def test_target_id_without_endpoint_is_default(admission: Admission) -> None:
     admission.set_residents([resident(endpoint=None, device="gpu1")])
     decision, _ = admission.decide(FLASH.key, "c", None, None, NOW)
     assert decision.target_id == "gpu1:default"
 
 
-@pytest.mark.parametrize("state", [ResidentState.DRAINING, ResidentState.PAUSED])
-def test_draining_and_paused_never_forward(admission: Admission, state: ResidentState) -> None:
+@pytest.mark.parametrize(
+    ("state", "reason"),
+    [(ResidentState.DRAINING, "not_resident"), (ResidentState.PAUSED, "paused")],
+)
+def test_draining_and_paused_never_forward(
+    admission: Admission, state: ResidentState, reason: str
+) -> None:
     admission.set_residents([resident(state=state)])
     decision = park(admission, FLASH.key)
-    assert decision.reason == "not_resident"
+    assert decision.reason == reason
+
+
+def test_a_paused_park_follows_the_resident(admission: Admission) -> None:
+    """Issue 21 item 6: ``paused`` while only a paused resident serves the id, then what
+    the registry says once it is gone; a waiting entry follows a pause too."""
+    waiting = park(admission, FLASH.key, client="early")
+    assert waiting.reason == "not_resident"
+    admission.set_residents([resident(state=ResidentState.PAUSED)])
+    assert park(admission, FLASH.key, client="early").reason == "paused"
+    assert park(admission, "gpt-5.1-codex", client="late").reason == "paused"
+    admission.set_residents([])
+    assert park(admission, FLASH.key, client="early").reason == "not_resident"
+    assert park(admission, "gpt-5.1-codex", client="late").reason == "not_resident"
 
 
 def test_a_hot_resident_wins_over_a_warming_one(admission: Admission) -> None:
@@ -291,12 +334,68 @@ def test_dedupe_answers_the_stored_reason(admission: Admission) -> None:
     )
 
 
-def test_an_expired_entry_is_replaced_by_a_new_one(admission: Admission) -> None:
+def test_an_expired_entry_refuses_until_swept_then_a_new_one_parks(
+    admission: Admission,
+) -> None:
     _, first = admission.decide(FLASH.key, "claude-code", None, None, NOW)
-    decision, second = admission.decide(FLASH.key, "claude-code", None, None, NOW + 120.0)
-    assert first is not None and second is not None
+    assert first is not None
+    decision, none = admission.decide(FLASH.key, "claude-code", None, None, NOW + 120.0)
+    assert none is None
+    assert decision == Decision("park", placement_id=first.id, reason="refused")
+    assert admission.expire(NOW + 120.0) == [first]  # the tick; no refusal recorded here
+    decision, second = admission.decide(FLASH.key, "claude-code", None, None, NOW + 121.0)
+    assert second is not None
     assert decision.placement_id == second.id != first.id
     assert set(admission.pending) == {second.id}
+
+
+def test_a_refused_client_is_answered_refused_for_the_window(admission: Admission) -> None:
+    """Issue 21 item 2: after a dismissal (or expiry) the same client's retries get the
+    refused id and reason ``refused``, with no new entry, for ``REFUSED_WINDOW_S``; other
+    clients and other ids park as before."""
+    _, entry = admission.decide(FLASH.key, "claude-code", None, None, NOW)
+    assert entry is not None
+    admission.remove(entry.id)
+    admission.refuse(entry, NOW + 1)
+    for later in (NOW + 2, NOW + REFUSED_WINDOW_S):
+        decision, created = admission.decide(FLASH.key, "claude-code", None, None, later)
+        assert (decision, created) == (
+            Decision("park", placement_id=entry.id, reason="refused"),
+            None,
+        )
+    assert admission.pending == {}
+    assert park(admission, FLASH.key, client="codex").reason == "not_resident"
+    assert park(admission, "gpt-5.1-codex").reason == "not_resident"  # another id
+    after = NOW + 1 + REFUSED_WINDOW_S
+    decision, fresh = admission.decide(FLASH.key, "claude-code", None, None, after)
+    assert fresh is not None and decision.placement_id == fresh.id != entry.id
+    assert decision.reason == "not_resident"
+
+
+def test_refusals_are_bounded_and_lapse(admission: Admission) -> None:
+    for n in range(MAX_REFUSED + 10):
+        entry = PendingEntry(
+            f"plc-{n:06x}", FLASH.key, f"c{n}", None, NOW, NOW + 120, ParkReason.NOT_RESIDENT
+        )
+        admission.refuse(entry, NOW)
+    assert admission.refused_count == MAX_REFUSED
+    oldest, _ = admission.decide(FLASH.key, "c0", None, None, NOW + 1)
+    newest, _ = admission.decide(FLASH.key, f"c{MAX_REFUSED + 9}", None, None, NOW + 1)
+    assert oldest.reason == "not_resident" and newest.reason == "refused"
+    admission.forget_refusals(NOW + REFUSED_WINDOW_S)
+    assert admission.refused_count == 0
+
+
+def test_a_failed_entry_says_failed_until_it_is_resolved(admission: Admission) -> None:
+    """Issue 21 item 2: a failed switch leaves the entry pending, reason ``failed``."""
+    _, entry = admission.decide(FLASH.key, "claude-code", None, None, NOW)
+    assert entry is not None
+    failed = admission.mark_failed(entry.id)
+    assert failed is not None and failed.reason is ParkReason.FAILED
+    assert park(admission, FLASH.key) == Decision("park", placement_id=entry.id, reason="failed")
+    admission.set_registry(REGISTRY)  # a reload does not turn it back into "waiting"
+    assert park(admission, FLASH.key).reason == "failed"
+    assert admission.mark_failed("plc-ffffff") is None
 
 
 def test_expire_drops_and_returns_expired_entries(admission: Admission) -> None:

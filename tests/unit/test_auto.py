@@ -19,7 +19,13 @@ from typing import Any
 
 import pytest
 
-from uapplace.consent.auto import COOLDOWN_S, AutoRunner, enforcement_envelope_s, pick_option
+from uapplace.consent.auto import (
+    COOLDOWN_S,
+    AutoRunner,
+    enforcement_envelope_s,
+    option_envelope_s,
+    pick_option,
+)
 from uapplace.controller.standing import Cooldowns
 from uapplace.core.admission import Admission
 from uapplace.core.errors import Failed, InvalidArgument
@@ -286,6 +292,17 @@ def test_enabled_must_be_literally_true(tmp_path: Path, enabled: object) -> None
     assert len(findings) == 1
     assert f"{path}: enabled: must be true or false" in findings[0]
     assert "auto is off" in findings[0]
+
+
+def test_a_wake_that_displaces_nobody_is_taken_without_allow_displace(tmp_path: Path) -> None:
+    """Issue 21 item 6: waking a paused resident in place stops nobody."""
+    path = tmp_path / "placement-auto.json"
+    path.write_text('{"enabled": true}')
+    policy, _ = load_auto_policy(path)
+    wake = Option(OptionKind.WAKE, "beta", "beta-q4", "gpu0", 8000.0)
+    costly_wake = replace(displace("beta", "alpha"), kind=OptionKind.WAKE)
+    assert pick_option([costly_wake, wake], policy, "beta") == 2
+    assert pick_option([costly_wake], policy, "beta") is None
 
 
 def test_enabled_true_turns_it_on(tmp_path: Path) -> None:
@@ -658,6 +675,81 @@ async def test_scheduling_extends_the_expiry_past_the_envelope(rig: Rig) -> None
     assert rig.host.entry(late.id).expires_at >= T0 + 300 + ENVELOPE
     gate.set()
     await rig.runner.wait_idle()
+
+
+def own_bounds_runner(rig: Rig, seen: list[frozenset[str]]) -> AutoRunner:
+    """The rig's runner with a per-option envelope and the admission told of its runs,
+    as ``wiring`` builds it."""
+    timeouts = Timeouts()
+
+    def on_runs(models: frozenset[str]) -> None:
+        seen.append(models)
+        rig.host.admission.set_auto_loading(models)
+
+    return AutoRunner(
+        rig.host,
+        rig.enforcer,
+        rig.store,
+        lambda: REGISTRY_WITH_BOUND,
+        envelope_s=ENVELOPE,
+        clock=rig.clock,
+        option_envelope=lambda o: option_envelope_s(timeouts, REGISTRY_WITH_BOUND, o),
+        on_runs=on_runs,
+    )
+
+
+SLOW_START_S = 5_000.0
+REGISTRY_WITH_BOUND = replace(
+    REGISTRY,
+    models={
+        **REGISTRY.models,
+        "alpha": replace(
+            REGISTRY.models["alpha"],
+            configs={"alpha-q4": replace(_measured("alpha-q4"), start_timeout_s=SLOW_START_S)},
+        ),
+    },
+)
+
+
+async def test_the_expiry_extension_uses_the_configs_own_bounds(rig: Rig) -> None:
+    """Issue 21 item 8: alpha's config says its start may take 5,000 s; the entry must not
+    expire under a run that is still within that bound (the global envelope is 500 s)."""
+    rig.write_policy(enabled=True)
+    runner = own_bounds_runner(rig, [])
+    gate = rig.enforcer.gate("alpha")
+    entry = rig.host.park("alpha")
+    plan = plan_of("alpha", alongside("alpha"))
+    rig.host.admission.replace(replace(entry, options=plan.options))
+    assert await runner.schedule(entry, plan) is ParkReason.AUTO_LOADING
+    bound = option_envelope_s(Timeouts(), REGISTRY_WITH_BOUND, alongside("alpha"))
+    assert bound >= SLOW_START_S
+    assert rig.host.entry(entry.id).expires_at >= T0 + bound
+    await rig.enforcer.on_start("alpha").wait()
+    assert rig.host.entry(entry.id).expires_at >= T0 + bound
+    gate.set()
+    await runner.wait_idle()
+
+
+async def test_a_park_while_its_model_auto_loads_answers_auto_loading_first(rig: Rig) -> None:
+    """Issue 21 item 8: the admit's own answer says ``auto_loading`` (the proxy's burst map
+    repeats the first answer), not ``not_resident`` until the runner gets to it."""
+    rig.write_policy(enabled=True)
+    seen: list[frozenset[str]] = []
+    runner = own_bounds_runner(rig, seen)
+    gate = rig.enforcer.gate("alpha")
+    entry = rig.host.park("alpha")
+    plan = plan_of("alpha", alongside("alpha"))
+    rig.host.admission.replace(replace(entry, options=plan.options))
+    assert await runner.schedule(entry, plan) is ParkReason.AUTO_LOADING
+    decision, joined = rig.host.admission.decide("alpha-chat", "codex", None, None, T0)
+    assert (decision.reason, joined is not None) == ("auto_loading", True)
+    other, _ = rig.host.admission.decide("beta", "codex", None, None, T0)
+    assert other.reason == "not_resident"
+    gate.set()
+    await runner.wait_idle()
+    assert seen == [frozenset({"alpha"}), frozenset()]
+    after, _ = rig.host.admission.decide("alpha", "late", None, None, T0)
+    assert after.reason == "not_resident"
 
 
 async def test_a_failed_run_marks_auto_failed_and_cools_down(rig: Rig) -> None:

@@ -182,8 +182,11 @@ def test_policy_invalid_json_is_an_error(tmp_path: Path) -> None:
 def test_shipped_files_validate_with_only_the_documented_floor_warning(tmp_path: Path) -> None:
     findings = validate(load(tmp_path, SHIPPED_REGISTRY), shipped_policy())
     assert not has_errors(findings)
+    # The shipped models listen on three ports and the registry does not say how the proxy
+    # reaches them: the stock proxy's one upstream would 529 after a swap (issue 20).
     assert [(f.severity, f.json_path) for f in findings] == [
-        ("warning", "$.services[0].gpuMinFreeMiB")
+        ("warning", "$.services[0].gpuMinFreeMiB"),
+        ("warning", "$.proxy"),
     ]
 
 
@@ -305,11 +308,12 @@ def test_exec_start_matches_whole_tokens_not_substrings(tmp_path: Path) -> None:
     assert "'-c 229376'" in finding.message
 
 
-def test_floor_above_the_free_budget_is_a_warning(tmp_path: Path) -> None:
+def test_floor_above_the_free_budget_is_an_error(tmp_path: Path) -> None:
+    """Issue 21 item 8: a floor that can never hold contradicts the registry: an error."""
     policy = policy_doc()
     service_of(policy, "strata-server")["gpuMinFreeMiB"] = 4096
     finding = only(run(tmp_path, policy=policy), "$.services[0].gpuMinFreeMiB")
-    assert finding.severity == "warning"
+    assert finding.severity == "error"
     assert finding.file == str(tmp_path / "config" / "capacity-policy.json")
     # 24,576 − 2,048 − 21,812
     assert "at most 716 MiB" in finding.message
@@ -327,6 +331,7 @@ def test_floor_at_least_the_reserve_gives_no_warning(tmp_path: Path) -> None:
     service_of(policy, "strata-server")["gpuMinFreeMiB"] = 1200
     registry = registry_doc()
     registry["devices"]["gpu0"]["reserved_mib"] = 1000  # 1,764 free: 24,576 − 1,000 − 21,812
+    registry["proxy"] = {"single_upstream": None}  # a proxy that routes by target_id
     assert run(tmp_path, registry, policy) == []
 
 
@@ -491,7 +496,10 @@ def test_config_too_big_for_the_host_is_a_warning(tmp_path: Path) -> None:
 
 def test_no_policy_is_a_warning(tmp_path: Path) -> None:
     findings = validate(load(tmp_path, registry_doc()), None)
-    assert [(f.severity, f.json_path) for f in findings] == [("warning", "$")]
+    assert [(f.severity, f.json_path) for f in findings] == [
+        ("warning", "$"),
+        ("warning", "$.proxy"),
+    ]
     assert "cross-checks skipped" in findings[0].message
 
 

@@ -10,20 +10,20 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from controller_fixtures import registry, registry_paths
+from controller_fixtures import alpha_resident, registry, registry_paths
 
 from tests.worlds.seed_docs import alpha_model
 from uapplace.controller import views
 from uapplace.controller.controller import Controller
 from uapplace.controller.holds import ProxyHolders
 from uapplace.controller.ports import ResidentRow
+from uapplace.core.admission import REFUSED_WINDOW_S
 from uapplace.core.alerts import Alert
 from uapplace.core.errors import NotAuthorized, NotFound, UnknownModel
 from uapplace.core.model import (
     Holder,
     ParkReason,
     PendingEntry,
-    Resident,
     ResidentState,
     parse_iso,
 )
@@ -95,21 +95,6 @@ def controller(paths: Paths, clock: Clock, events: Recorder) -> Controller:
     return Controller.open(paths, clock=clock, events=events)
 
 
-def resident(state: ResidentState = ResidentState.HOT) -> Resident:
-    return Resident(
-        model="alpha",
-        config="alpha-q4",
-        device="gpu0",
-        engine="llama.cpp",
-        endpoint="http://127.0.0.1:18080",
-        unit="uap-alpha",
-        state=state,
-        gpu_mib=8000,
-        host_rss_mib=2000,
-        since="2026-01-01T00:00:00Z",
-    )
-
-
 async def settle(controller: Controller) -> None:
     """Let scheduled after-answer work (Parked, planning) run to completion."""
     await asyncio.sleep(0)
@@ -137,7 +122,7 @@ async def test_a_new_park_is_reported_after_the_answer(
 async def test_a_forward_touches_usage_and_persists_it(
     controller: Controller, clock: Clock, paths: Paths
 ) -> None:
-    controller.upsert_resident(resident())
+    controller.upsert_resident(alpha_resident())
     decision = controller.admit("alpha-chat", "c1", "", 0)
     assert decision.decision == "forward"
     assert decision.target_id == "gpu0:http://127.0.0.1:18080"
@@ -166,10 +151,10 @@ async def test_a_resident_that_serves_a_park_resolves_it_as_forwarded(
 ) -> None:
     placement_id = controller.admit("alpha-chat", "c1", "", 0).placement_id
     await settle(controller)
-    controller.upsert_resident(resident(ResidentState.WARMING))
+    controller.upsert_resident(alpha_resident(ResidentState.WARMING))
     assert events.of("resolved") == []  # not verified yet: not published (publication)
     assert events.of("resident")[-1] == ("alpha", "alpha-q4", "gpu0", "warming")
-    controller.upsert_resident(resident(ResidentState.HOT))
+    controller.upsert_resident(alpha_resident(ResidentState.HOT))
     assert events.of("resolved") == [(placement_id, "forwarded")]
     controller.drop_resident("alpha", "alpha-q4", "gpu0")
     assert events.of("resident")[-1] == ("alpha", "alpha-q4", "gpu0", "gone")
@@ -186,6 +171,62 @@ async def test_dismiss_and_unknown_ids(controller: Controller, events: Recorder)
         controller.dismiss(placement_id)
 
 
+async def test_a_dismissed_or_expired_request_is_refused_not_prompted_again(
+    controller: Controller, clock: Clock, events: Recorder
+) -> None:
+    """Issue 21 item 2: the same client's retry gets ``refused`` with the old id, no new
+    park (no ``parked`` event, so no notification); after the window it parks afresh."""
+    dismissed = controller.admit("alpha", "c1", "", 0).placement_id
+    expired = controller.admit("alpha", "c2", "", 0).placement_id
+    await settle(controller)
+    clock.now += controller.admission.ttl - 1
+    controller.dismiss(dismissed)
+    clock.now += 2
+    assert controller.admit("alpha", "c2", "", 0).reason == "refused"  # expired, not swept
+    controller.expire()
+    parked_before = len(events.of("parked"))
+    for client, placement_id in (("c1", dismissed), ("c2", expired)):
+        again = controller.admit("alpha", client, "", 0)
+        assert (again.decision, again.placement_id, again.reason) == (
+            "park",
+            placement_id,
+            "refused",
+        )
+    await settle(controller)
+    assert len(events.of("parked")) == parked_before and controller.pending_count == 0
+    assert controller.admit("alpha", "c3", "", 0).reason == "not_resident"  # others park
+    clock.now += REFUSED_WINDOW_S + 1
+    controller.expire()
+    fresh = controller.admit("alpha", "c1", "", 0)
+    assert fresh.reason == "not_resident" and fresh.placement_id != dismissed
+    await settle(controller)
+
+
+async def test_mark_failed_keeps_the_entry_with_reason_failed(
+    controller: Controller, paths: Paths
+) -> None:
+    placement_id = controller.admit("alpha", "c1", "", 0).placement_id
+    await settle(controller)
+    controller.mark_failed(placement_id)
+    assert controller.admit("alpha", "c1", "", 0).reason == "failed"
+    await controller.flush()
+    [stored] = Ledger(paths.ledger).read().pending
+    assert (stored.id, stored.reason) == (placement_id, ParkReason.FAILED)
+    controller.mark_failed("plc-ffffff")  # gone: nothing to mark
+
+
+async def test_an_entry_resolved_failed_answers_failed_not_a_new_prompt(
+    controller: Controller, events: Recorder
+) -> None:
+    """An incomplete rollback resolves the entry ``failed``: the client's retry says so."""
+    placement_id = controller.admit("alpha", "c1", "", 0).placement_id
+    await settle(controller)
+    assert controller.resolve_pending_id(placement_id, "failed")
+    retry = controller.admit("alpha", "c1", "", 0)
+    assert (retry.placement_id, retry.reason) == (placement_id, "failed")
+    assert controller.pending_count == 0
+
+
 def test_restore_drops_expired_entries_and_live_holders(
     controller: Controller, clock: Clock
 ) -> None:
@@ -194,7 +235,7 @@ def test_restore_drops_expired_entries_and_live_holders(
             placement_id, "alpha", client, None, START - 10, expires_at, ParkReason.NOT_RESIDENT
         )
 
-    held = replace(resident(), holders=(Holder("x", "hold", cookie=3),))
+    held = replace(alpha_resident(), holders=(Holder("x", "hold", cookie=3),))
     doc = LedgerDoc(
         residents=[held],
         pending=[entry("plc-000001", "a", START + 60), entry("plc-000002", "b", START - 1)],
@@ -209,7 +250,7 @@ def test_restore_drops_expired_entries_and_live_holders(
 
 
 async def test_holds_pin_residents_and_end_with_their_sender(controller: Controller) -> None:
-    controller.upsert_resident(resident())
+    controller.upsert_resident(alpha_resident())
     cookie = await controller.hold("alpha-chat", "eval", "bench", ":1.42")
     (pinned,) = controller.residents_with_holders(None)
     assert [(h.kind, h.client, h.cookie) for h in pinned.holders] == [("hold", "bench", cookie)]
@@ -298,7 +339,7 @@ async def test_a_proxy_401_raises_one_token_mismatch_alert_and_stays_an_error(
 
 async def test_get_state_carries_counters_and_target_rails(controller: Controller) -> None:
     controller.admit("alpha", "c1", "", 0)
-    controller.upsert_resident(resident())
+    controller.upsert_resident(alpha_resident())
     state = await views.state_json(controller)
     assert state["counters"]["admits"] == [
         {"decision": "park", "reason": "not_resident", "count": 1}
@@ -321,7 +362,7 @@ async def test_validate_warns_when_the_live_rails_disagree(controller: Controlle
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     host, port = runner.addresses[0][:2]
     try:
-        controller.upsert_resident(replace(resident(), endpoint=f"http://{host}:{port}"))
+        controller.upsert_resident(replace(alpha_resident(), endpoint=f"http://{host}:{port}"))
         report = await views.validate(controller)
     finally:
         await runner.cleanup()

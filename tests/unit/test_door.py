@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import pytest
@@ -19,7 +19,9 @@ from uapplace.core.model import (
     OptionKind,
     ParkReason,
     PendingEntry,
+    Registry,
 )
+from uapplace.core.staleness import LiveLaunch
 
 ALPHA = Model(
     key="alpha",
@@ -47,6 +49,10 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.idle_waits = 0
+        self.running: str | None = None
+        """The run in progress (a test sets it: "busy means busy")."""
+        self.applying: str | None = None
+        self.drained: frozenset[str] = frozenset()
 
     async def apply(
         self,
@@ -74,7 +80,12 @@ class Recorder:
         self.calls.append(("measure", model, config))
         return {}
 
-    async def measure_envelope(self, model: str, config: str) -> dict[str, Any]:
+    async def live_launch(self, registry: Registry) -> Mapping[str, LiveLaunch]:
+        return {}
+
+    async def measure_envelope(
+        self, model: str, config: str, expected: Signature
+    ) -> dict[str, Any]:
         self.calls.append(("envelope", model, config))
         return {}
 
@@ -142,7 +153,9 @@ async def test_an_attached_door_flushes_the_ledger_before_each_run() -> None:
         ("unload", "alpha"),
         ("envelope", "alpha", "a1"),
     ]
-    assert made.flushes == 3  # one durable write per run; a measurement is no run
+    # One durable write per run; measuring the envelope is a switch (issue 21), so it
+    # counts as one too.
+    assert made.flushes == 4
 
 
 async def test_attach_is_once_and_close_refuses_new_runs() -> None:

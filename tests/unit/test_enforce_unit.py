@@ -177,6 +177,25 @@ async def test_apply_refuses_a_changed_victim_set_before_touching_anything(
     assert [r.state for r in host.live] == [ResidentState.HOT]
 
 
+async def test_reusing_a_warming_resident_leaves_the_entry_pending(units: UnitManager) -> None:
+    """Issue 21 item 8: admission still parks ``warming``, so ``applied`` would be false;
+    the entry resolves ``forwarded`` once the resident is published."""
+    host = ListHost(live=[resident("beta", "b1", ResidentState.WARMING)])
+    entry = park(host)
+    assert [o.kind.value for o in entry.options][:1] == ["reuse"]
+
+    result = await Enforcer(host, units).apply(entry, 1, [])
+
+    assert result["ok"] is True, result
+    assert host.resolved == [] and entry.id in host.entries
+    resolve = next(s for s in host.steps if s[1] == "resolve")
+    assert "beta/b1 is warming: the entry stays until it is published" in resolve[3]
+    hot = ListHost(live=[resident("beta", "b1")])
+    served = park(hot)
+    assert (await Enforcer(hot, units).apply(served, 1, []))["ok"] is True
+    assert hot.resolved == [(served.id, "applied")]
+
+
 async def test_apply_refuses_an_option_that_no_longer_exists(
     host: ListHost, units: UnitManager
 ) -> None:

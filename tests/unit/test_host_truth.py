@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -21,6 +21,7 @@ from aiohttp import web
 from http_fixtures import closed_port_url, serving
 from llama_shapes import LlamaShapes
 from rich.console import Console
+from sink_fakes import ListSink
 
 from tests.worlds.builders import MEASURED_AT, cpu, measured
 from uapplace.cli import render
@@ -41,7 +42,6 @@ from uapplace.core.model import (
 from uapplace.core.planner import PlanInput, host_room, plan, plan_unload
 from uapplace.core.victims import victim_of
 from uapplace.daemon.notify import recommendation_text
-from uapplace.files.capacity import ServicePolicy
 from uapplace.publish.publication import SleepWatch, engine_asleep
 
 HOST = cpu(total=4_000, reserved=200)
@@ -304,34 +304,6 @@ def test_each_devices_room_is_the_planners_count() -> None:
 # --------------------------------------------------------------------------- asleep is shown
 
 
-class Host:
-    """A ResidentSink over a list (what the sleep watch reads and publishes through)."""
-
-    def __init__(self, reg: Registry, residents: Sequence[Resident]) -> None:
-        self._registry = reg
-        self.list = list(residents)
-        self.alert_board = AlertBoard(lambda: 0.0)
-
-    def registry(self) -> Registry:
-        return self._registry
-
-    def residents(self) -> list[Resident]:
-        return self.list
-
-    def put_resident(self, resident: Resident) -> None:
-        key = (resident.model, resident.config, resident.device)
-        self.list = [r for r in self.list if (r.model, r.config, r.device) != key] + [resident]
-
-    def drop_resident(self, resident: Resident) -> None:
-        self.list.remove(resident)
-
-    def service_policy(self, model: Model) -> ServicePolicy | None:
-        return None
-
-    async def read_devices(self) -> Mapping[str, DeviceReading]:
-        return {}
-
-
 def answering(
     answers: dict[str, bool | None],
 ) -> tuple[Callable[[Registry, Resident, float], Awaitable[bool | None]], list[str]]:
@@ -349,7 +321,7 @@ async def test_a_sleeping_engine_is_shown_asleep_and_stays_hot() -> None:
     awake = resident("sleeper", 833.0)
     silent = resident("fits", 2_900.0)
     stale = resident("big", 3_000.0, state=ResidentState.WARMING, asleep=True)
-    host = Host(reg, [awake, silent, stale])
+    host = ListSink(reg, [awake, silent, stale])
     answers: dict[str, bool | None] = {"sleeper": True, "fits": None, "big": True}
     probe, asked = answering(answers)
     watch = SleepWatch(host, probe=probe)

@@ -24,19 +24,21 @@ from typing import Any
 
 import pytest
 from aiohttp.http_exceptions import BadHttpMessage
-from controller_fixtures import registry, registry_paths
+from controller_fixtures import alpha_resident, registry, registry_paths
 
 from tests.worlds.seed_docs import alpha_model, beta_model
 from uapplace.cli import files as cli_files
 from uapplace.controller import views
 from uapplace.controller.configstate import ConfigState
 from uapplace.controller.controller import Controller
+from uapplace.controller.holds import MAX_HOLDS, MAX_HOLDS_PER_CLIENT
 from uapplace.core.admission import MAX_PENDING
 from uapplace.core.alerts import AlertKind
-from uapplace.core.errors import InvalidArgument
+from uapplace.core.errors import Busy, InvalidArgument
 from uapplace.core.model import Registry
 from uapplace.daemon.service import (
     MAX_POLICY_JSON_CHARS,
+    MAX_REASON_CHARS,
     check_list,
     check_text,
     parse_auto_changes,
@@ -53,7 +55,7 @@ from uapplace.files.autopolicy import (
 from uapplace.files.capacity import load_capacity_policy, timeouts_findings
 from uapplace.files.capacity import validate as validate_files
 from uapplace.files.jsonfile import ConfigFileError, UntrustedFile
-from uapplace.files.ledger import Ledger, parse_ledger_text
+from uapplace.files.ledger import Ledger, doc_to_json, parse_ledger_text
 from uapplace.files.paths import Paths
 from uapplace.files.registry import load_registry
 from uapplace.files.timeouts import Timeouts
@@ -64,6 +66,7 @@ from uapplace.shim.responses import HttpError
 REGISTRY = registry({"alpha": alpha_model(rails=1), "beta": beta_model()})
 HUGE = "1" + "0" * 4200
 """``10**4200`` as JSON text: past a float, within Python's 4,300-digit integer limit."""
+ALPHA_RESIDENT = alpha_resident()
 OTHER_UID = 65534
 """Another user (``nobody``): the owner of the files another user could have written."""
 needs_root = pytest.mark.skipif(
@@ -492,6 +495,37 @@ def test_over_long_bus_arguments_are_named() -> None:
     with pytest.raises(InvalidArgument, match=r"argument expected\[1\]: 2,000 characters"):
         parse_signature(["a/b", "m/" + "c" * 1998])
     assert check_text("model", "alpha") == "alpha"
+
+
+@pytest.mark.parametrize("argument", ["reason", "app_id"])
+def test_a_1_mib_hold_reason_or_app_id_is_named_with_its_cap(argument: str) -> None:
+    with pytest.raises(InvalidArgument, match=rf"argument {argument}: 1,048,576 characters"):
+        check_text(argument, "\x1b" * (1 << 20), MAX_REASON_CHARS)
+    assert check_text(argument, "r" * MAX_REASON_CHARS, MAX_REASON_CHARS)
+
+
+async def test_holds_are_capped_per_connection_per_app_id_and_in_all(tmp_path: Path) -> None:
+    controller = Controller.open(registry_paths(tmp_path, REGISTRY))
+    big = "r" * MAX_REASON_CHARS
+    for _ in range(MAX_HOLDS_PER_CLIENT):
+        await controller.hold("alpha", big, "app-a", ":1.1")
+    with pytest.raises(Busy, match=rf"connection :1\.1 has 32 holds, the {MAX_HOLDS_PER_CLIENT}"):
+        await controller.hold("alpha", big, "app-b", ":1.1")
+    with pytest.raises(Busy, match=r"app_id 'app-a' has 32 holds, the 32 one app id may take"):
+        await controller.hold("alpha", big, "app-a", ":1.2")
+    for index in range(MAX_HOLDS - MAX_HOLDS_PER_CLIENT):
+        await controller.hold("beta", big, f"app-{index}", f":2.{index}")
+    assert len(controller.holds) == MAX_HOLDS
+    with pytest.raises(Busy, match=r"256 holds are taken, the 256 uapplaced keeps at most"):
+        await controller.hold("beta", big, "fresh", ":3.1")
+    assert len(controller.holds) == MAX_HOLDS  # nothing half-taken
+    controller.release(next(iter(controller.holds)), ":1.1")
+    assert await controller.hold("beta", "again", "fresh", ":3.1") > 0  # room again
+    controller.upsert_resident(ALPHA_RESIDENT)
+    doc = controller.document({}, controller.residents_with_holders(None))
+    written = jsonfile.dumps(doc_to_json(doc), indent=2)
+    assert len(doc.residents[0].holders) == MAX_HOLDS_PER_CLIENT - 1
+    assert len(written) < jsonfile.LEDGER_MAX_BYTES // 8  # far within the ledger's read cap
 
 
 # --------------------------------------------------------------------------- the shim's inputs

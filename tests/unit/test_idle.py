@@ -311,15 +311,27 @@ async def test_a_held_resident_is_never_unloaded_and_its_clock_resets(rig: Rig) 
     assert rig.unloaded() == ["beta"]
 
 
-@pytest.mark.parametrize(
-    "state", [ResidentState.WARMING, ResidentState.DRAINING, ResidentState.PAUSED]
-)
-async def test_only_hot_residents_are_unloaded(rig: Rig, state: ResidentState) -> None:
+@pytest.mark.parametrize("state", [ResidentState.WARMING, ResidentState.DRAINING])
+async def test_residents_mid_change_are_never_unloaded(rig: Rig, state: ResidentState) -> None:
     rig.host.residents = [replace(resident("beta", QUIET_B), state=state)]
     rig.arm("beta")
     await rig.tick(T0)
     report = await rig.tick(T0 + 5 * WINDOW)
     assert rig.unloader.calls == [] and report.skipped["beta"] == f"beta/beta-q4 is {state.value}"
+
+
+async def test_a_paused_resident_is_unloaded_with_the_same_consent(rig: Rig) -> None:
+    """Issue 21 item 6: a paused resident holds host RAM; past its window, under
+    ``unload_allow``, it goes like a hot one (and not without consent)."""
+    rig.host.residents = [
+        replace(resident("alpha", QUIET_A), state=ResidentState.PAUSED),
+        replace(resident("beta", QUIET_B), state=ResidentState.PAUSED),
+    ]
+    rig.arm("beta")
+    await rig.tick(T0)
+    report = await rig.tick(T0 + 5 * WINDOW)
+    assert report.unloaded == ["beta"] and rig.unloaded() == ["beta"]
+    assert [r.model for r in rig.host.residents] == ["alpha"]
 
 
 async def test_a_resident_without_an_endpoint_counts_as_busy(rig: Rig) -> None:

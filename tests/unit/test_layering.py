@@ -24,6 +24,7 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 LAYERS = "Layers: core < files < bus < io < controller < machinery < daemon < edges"
 OVER_THE_BUS = "The CLI and the shim talk to the daemon over the bus only"
+LIGHT_CLI = "The light CLI imports no aiohttp, pystemd, pydantic, Textual or demo"
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,24 @@ CASES = {
         "from uapplace.files import paths",
         LAYERS,
         "uapplace.core -> uapplace.files.paths",
+    ),
+    "the-light-cli-imports-aiohttp": Plant(
+        "cli/enforce.py",
+        "import aiohttp",
+        LIGHT_CLI,
+        "uapplace.cli.enforce -> aiohttp",
+    ),
+    "the-light-cli-imports-pydantic-through-the-files": Plant(
+        "cli/app.py",
+        "from uapplace.files import ledger",
+        LIGHT_CLI,
+        "uapplace.cli.app -> uapplace.files.ledger",
+    ),
+    "the-light-cli-imports-the-local-app": Plant(
+        "cli/render.py",
+        "from uapplace.cli import local",
+        LIGHT_CLI,
+        "uapplace.cli.render -> uapplace.cli.local",
     ),
     "an-unplaced-top-level-module": Plant(
         "newcomer.py",
@@ -95,6 +114,7 @@ def test_the_copy_as_it_is_keeps_every_contract(pristine: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{LAYERS} KEPT" in done.stdout
     assert f"{OVER_THE_BUS} KEPT" in done.stdout
+    assert f"{LIGHT_CLI} KEPT" in done.stdout
     assert "BROKEN" not in done.stdout
 
 

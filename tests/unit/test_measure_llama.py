@@ -26,6 +26,7 @@ from uapplace.core.model import (
     ConfigStatus,
     DeviceKind,
     DeviceReading,
+    Holder,
     ProbeSource,
     Registry,
     Resident,
@@ -190,6 +191,9 @@ class Host:
     async def read_devices(self) -> Mapping[str, DeviceReading]:
         return READINGS
 
+    async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
+        return {}
+
 
 def tiny_world(tmp_path: Path, endpoint: str) -> tuple[Measurer, Host]:
     model = {
@@ -223,7 +227,10 @@ async def test_a_measured_llama_cpp_config_is_placeable(tmp_path: Path) -> None:
     assert (written["kv_resident_cells"], written["kv_mib_per_1k_cells"]) == (512, 0.0)
     assert written["kv"] == "f16"
     assert result["sources"]["host_rss_mib"].startswith(f"VmRSS of PIDs {os.getpid()}")
-    assert shapes.hits["/slots"] == 0  # /props told everything
+    # /props told the geometry everything; the one /slots is the idle check (issue 21
+    # item 8: a footprint is read at rest), asked of an engine already seen awake.
+    assert shapes.hits["/slots"] == 1
+    assert not any("/slots" in source for source in result["sources"].values())
 
     load = load_registry(host.repo, host.local)
     config = load.registry.models["tiny"].configs["c1"]

@@ -361,7 +361,9 @@ def test_the_shims_expected_victims_carry_the_action() -> None:
 
     refs = [
         VictimRefBody.model_validate({"model": "coder", "config": "q4", "action": "pause"}),
-        VictimRefBody.model_validate({"model": "chat", "config": "q4", "consequence": "…"}),
+        VictimRefBody.model_validate(
+            {"model": "chat", "config": "q4", "action": "stop", "consequence": "…"}
+        ),
     ]
     assert signature_of(refs) == ["chat/q4", f"coder/q4{PAUSE_SUFFIX}"]
     with pytest.raises(ValueError, match="action"):

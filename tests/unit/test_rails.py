@@ -399,3 +399,24 @@ async def test_cache_reads_a_sleeping_engine_without_waking_it() -> None:
         )
     assert [(row.rails, row.rails_source) for row in rows] == [(2, "props")]
     assert shapes.hits["/slots"] == 0 and shapes.asleep
+
+
+async def test_a_paused_target_shows_no_usable_rails_and_is_not_probed() -> None:
+    """Issue 21 item 6: a paused resident's target has no rails (not the declared figure),
+    and its engine is not asked; a target shared with a hot model is probed as before."""
+    paused = Resident("m", "c", "gpu0", "llama.cpp", "", "u", ResidentState.PAUSED, 0.0, 1.0, "t")
+    models = {"m": Model("m", "M", "llama.cpp", {}, rails=2, rails_source="flags")}
+    shapes = LlamaShapes(total_slots=2)
+    async with llama(shapes) as url:
+        [row] = await RailsCache().current([replace(paused, endpoint=url)], models)
+        assert (row.rails, row.rails_source, row.state, row.agrees) == (
+            None,
+            None,
+            "not_probed",
+            None,
+        )
+        assert "paused" in row.live.detail and row.to_json()["rails"] is None
+        assert sum(shapes.hits.values()) == 0
+        hot = replace(paused, model="h", endpoint=url, state=ResidentState.HOT)
+        rows = await RailsCache().current([replace(paused, endpoint=url), hot], models)
+    assert [(r.model, r.rails) for r in rows] == [("h", 2)]

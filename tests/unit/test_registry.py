@@ -138,6 +138,34 @@ def test_local_config_replaces_the_repo_config_whole(tmp_path: Path) -> None:
     assert config.flags == ()
 
 
+def test_a_local_measurement_keeps_what_the_repo_declares_for_the_config(
+    tmp_path: Path,
+) -> None:
+    """Issue 21 item 6: the repo's ``pause_lever`` (and the other declared fields) survive a
+    machine-local measurement that does not set them; one the local entry sets wins."""
+    repo = repo_doc()
+    repo["models"]["alpha"]["configs"]["a-q8"] = {
+        "status": "unmeasured",
+        "pause_lever": "vllm-sleep-1",
+        "start_timeout_s": 300,
+        "unit": "uap-alpha-q8",
+    }
+    measured = {
+        "resident_gpu_mib": 19000,
+        "host_rss_mib": 2500,
+        "measured_at": "2026-10-09T10:00:00Z",
+        "measured_on": "gpu0",
+    }
+    local = {"models": {"alpha": {"configs": {"a-q8": measured}}}}
+    config = load(tmp_path, repo, local).registry.models["alpha"].configs["a-q8"]
+    assert config.is_measured and config.provenance == "local"
+    assert config.pause_lever == "vllm-sleep-1"
+    assert (config.start_timeout_s, config.unit) == (300, "uap-alpha-q8")
+    local["models"]["alpha"]["configs"]["a-q8"] = {**measured, "pause_lever": "vllm-sleep-2"}
+    config = load(tmp_path, repo, local).registry.models["alpha"].configs["a-q8"]
+    assert config.pause_lever == "vllm-sleep-2"
+
+
 def test_config_only_in_repo_keeps_repo_content(tmp_path: Path) -> None:
     local = {
         "models": {"alpha": {"configs": {"a-q4": repo_doc()["models"]["alpha"]["configs"]["a-q4"]}}}

@@ -44,7 +44,10 @@ def shim() -> Shim:
 
 
 def test_expected_victims_become_the_bus_signature() -> None:
-    refs = [VictimRefBody(model="beta", config="b1"), VictimRefBody(model="alpha", config="a1")]
+    refs = [
+        VictimRefBody(model="beta", config="b1", action="stop"),
+        VictimRefBody(model="alpha", config="a1", action="stop"),
+    ]
     assert signature_of(refs) == ["alpha/a1", "beta/b1"]
     assert signature_of([]) == []
     # Omitted approves stopping nothing; it is never "skip the check".
@@ -53,7 +56,12 @@ def test_expected_victims_become_the_bus_signature() -> None:
 
 def test_load_and_unload_bodies_take_expected_victims() -> None:
     body = ModelBody.model_validate(
-        {"model": "beta", "expected_victims": [{"model": "alpha", "config": "a1", "state": "hot"}]}
+        {
+            "model": "beta",
+            "expected_victims": [
+                {"model": "alpha", "config": "a1", "action": "stop", "state": "hot"}
+            ],
+        }
     )
     assert signature_of(body.expected_victims) == ["alpha/a1"]
     assert ModelBody.model_validate({"model": "beta"}).expected_victims is None

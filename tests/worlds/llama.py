@@ -73,6 +73,7 @@ from tests.bus.conftest import DaemonProcess, UapEnv, make_env, run_cli, start_d
 from tests.bus.shim_fixtures import ShimProcess, start_shim
 from tests.worlds import polling
 from tests.worlds.registries import MEASURED_AT, sim_devices
+from tests.worlds.shim_view import ShimView
 from uapplace.files.paths import BUS_NAME
 from uapplace.files.timeouts import Timeouts
 from uapplace.io.units import JobOutcome, UnitManager, UnitState
@@ -314,7 +315,9 @@ def llama_registry(
         devices["cpu0"]["total_mib"] = cpu_total_mib
     devices["cpu0"]["reserved_mib"] = cpu_reserved_mib
     models = {key: model_entry(unit) for key, unit in units.items()}
-    return {"version": 1, "devices": devices, "models": models}
+    # One port per model behind a proxy that routes by target_id: said, so validate is clean.
+    proxy = {"single_upstream": None}
+    return {"version": 1, "devices": devices, "models": models, "proxy": proxy}
 
 
 def capacity_policy(models: Sequence[LlamaModel]) -> dict[str, Any]:
@@ -331,7 +334,7 @@ def capacity_policy(models: Sequence[LlamaModel]) -> dict[str, Any]:
 
 
 @dataclass
-class LlamaWorld:
+class LlamaWorld(ShimView):
     binary: Path
     uap: UapEnv
     daemon: DaemonProcess
@@ -374,30 +377,9 @@ class LlamaWorld:
 
     # ------------------------------------------------------------- the daemon (via the shim)
 
-    async def shim_get(self, path: str) -> Any:
-        async with self.http.get(self.shim.base_url + path) as reply:
-            assert reply.status == 200, await reply.text()
-            return await reply.json()
-
-    async def state(self) -> dict[str, Any]:
-        """``GetState`` as the shim serves it (``/api/placement/state``)."""
-        state: dict[str, Any] = await self.shim_get("/api/placement/state")
-        return state
-
-    async def resident_states(self) -> dict[str, str]:
-        state = await self.state()
-        return {row["model"]: row["state"] for row in state["residents"]}
-
     async def alerts(self, kind: str) -> list[dict[str, Any]]:
         """The open alerts of ``kind`` (``GetState.alerts``)."""
         return [alert for alert in (await self.state())["alerts"] if alert["kind"] == kind]
-
-    async def shim_post(
-        self, path: str, body: Any, token: str | None = None
-    ) -> tuple[int, dict[str, Any]]:
-        headers = {"x-uap-dashboard-token": token} if token is not None else {}
-        async with self.http.post(self.shim.base_url + path, json=body, headers=headers) as reply:
-            return reply.status, await reply.json()
 
     async def admit(self, model: str, client: str = "llama-client") -> dict[str, Any]:
         """``POST /api/placement/admit`` as the proxy sends it: the decision's body."""
@@ -413,25 +395,14 @@ class LlamaWorld:
         placement_id: str = decision["placement_id"]
         return placement_id
 
-    async def pending_entry(self, placement_id: str) -> dict[str, Any] | None:
-        entries = (await self.shim_get("/api/placement/pending"))["pending"]
-        return next((e for e in entries if e["id"] == placement_id), None)
-
-    async def options_of(self, placement_id: str) -> list[dict[str, Any]]:
-        """The park's options, once the daemon has planned them."""
-
-        async def planned() -> list[dict[str, Any]] | None:
-            entry = await self.pending_entry(placement_id)
-            return entry["options"] if entry is not None and entry["options"] else None
-
-        options: list[dict[str, Any]] = await self.until(f"options of {placement_id}", planned)
-        return options
-
     async def resolve(self, placement_id: str, option: int) -> dict[str, Any]:
         """Apply ``option`` of ``placement_id`` through the shim (its victims as shown); the
         run's result."""
         chosen = (await self.options_of(placement_id))[option - 1]
-        victims = [{"model": v["model"], "config": v["config"]} for v in chosen["victims"]]
+        victims = [
+            {"model": v["model"], "config": v["config"], "action": v["action"]}
+            for v in chosen["victims"]
+        ]
         body = {"placement_id": placement_id, "option": option, "expected_victims": victims}
         status, result = await self.shim_post("/api/placement/resolve", body, self.shim.token)
         assert status == 200, result

@@ -10,6 +10,7 @@ evaluating every second, and is stopped by its PID.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -20,9 +21,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -36,6 +38,11 @@ JOB = "uapplace-shim"
 REQUIRE = "UAPPLACE_REQUIRE_PROMETHEUS"
 READY_GUARD_S = 30.0
 """A hang guard for the server's start (it is ready in about a second)."""
+PARKED_ALERT = "UapplaceRequestsParkedTooLong"
+"""The shipped alert a parked request fires (its ``for:`` shortened by the tests)."""
+UNTIL_GUARD_S = 60.0
+"""A hang guard for :func:`until`: the alert fires a few seconds after the first scrapes."""
+T = TypeVar("T")
 
 
 def binary(name: str) -> str:
@@ -155,3 +162,18 @@ class PrometheusServer:
     def targets(self) -> list[dict[str, Any]]:
         active: list[dict[str, Any]] = self.api("targets")["activeTargets"]
         return active
+
+
+async def until(what: str, server: PrometheusServer, check: Callable[[], T | None]) -> T:
+    """Poll ``check`` (a blocking query, run in a thread) until it returns something truthy;
+    fail after :data:`UNTIL_GUARD_S` with the server's log."""
+    deadline = asyncio.get_running_loop().time() + UNTIL_GUARD_S
+    while True:
+        found = await asyncio.to_thread(check)
+        if found:
+            return found
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(
+                f"{what} within {UNTIL_GUARD_S:g} s; prometheus log:\n{server.log()}"
+            )
+        await asyncio.sleep(0.5)

@@ -135,8 +135,9 @@ class PlacementClient:
     async def measure(self, model: str, config: str) -> Any:
         return await self._json("Measure", "ss", [model, config])
 
-    async def measure_envelope(self, model: str, config: str) -> Any:
-        return await self._json("MeasureEnvelope", "ss", [model, config])
+    async def measure_envelope(self, model: str, config: str, expected: Sequence[str]) -> Any:
+        """``expected``: ``PreviewUnload(model)``'s signature (the residents that stop)."""
+        return await self._json("MeasureEnvelope", "ssas", [model, config, list(expected)])
 
     async def validate(self) -> Any:
         return await self._json("Validate")

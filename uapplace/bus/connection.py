@@ -72,6 +72,8 @@ class OrderedWriter(_MessageWriter):
                     if remove_writer and self.fd is not None:
                         self.loop.remove_writer(self.fd)
                     return
+                if not self.unix_fds and self.offset == 0 and self._sent_whole():
+                    continue  # the usual case: one send took the whole message
                 if not self._send_some():
                     return  # the kernel buffer is full: wait for writability
                 if self.buf is not None and self.offset < len(self.buf):
@@ -91,6 +93,27 @@ class OrderedWriter(_MessageWriter):
         self.offset = 0
         self.unix_fds = unix_fds
         self.fut = fut
+        return True
+
+    def _sent_whole(self) -> bool:
+        """Send the current message (no descriptors, nothing sent yet) in one ``send`` if the
+        kernel takes all of it, and finish it; ``False`` (nothing sent) otherwise.
+
+        Every reply and call on the hot path goes this way: no ``memoryview`` slice and no
+        ``sendmsg`` bookkeeping (issue 23); anything less than the whole message falls back
+        to :meth:`_send_some`, which also sees ``EAGAIN`` again."""
+        buf = self.buf
+        sock = self.sock
+        assert buf is not None and sock is not None
+        try:
+            sent = sock.send(buf)
+        except (BlockingIOError, InterruptedError):
+            return False
+        if sent < len(buf):
+            self.offset = sent
+            return False
+        self.buf = None
+        _set_result(self.fut)
         return True
 
     def _send_some(self) -> bool:

@@ -133,18 +133,17 @@ class PeerConnection(Bus):
 def admit_only(answer: AdmitAnswer) -> Callable[[Message], Message | None]:
     """The message handler of a peer connection: ``Hello``, ``Admit``, and refusals."""
 
+    admits = frozenset({("Admit", ADMIT_SIGNATURE), ("AdmitBy", ADMIT_BY_SIGNATURE)})
+
     def on_message(message: Message) -> Message | None:
         if message.message_type is not MessageType.METHOD_CALL:
             return None
+        # The hot path first: every message but the first is an admit.
+        if message.interface == INTERFACE and (message.member, message.signature) in admits:
+            # Admit's four arguments, or AdmitBy's five (the deadline last).
+            return Message.new_method_return(message, "ssss", list(answer(*message.body)))
         if message.interface == BUS_DRIVER and message.member == "Hello":
             return Message.new_method_return(message, "s", [f"{LOCAL_NAME}.{os.getpid()}"])
-        if message.interface == INTERFACE and (
-            (message.member, message.signature)
-            in (("Admit", ADMIT_SIGNATURE), ("AdmitBy", ADMIT_BY_SIGNATURE))
-        ):
-            # Admit's four arguments, or AdmitBy's five (the deadline last).
-            reply = answer(*message.body)
-            return Message.new_method_return(message, "ssss", list(reply))
         return Message.new_error(
             message,
             ACCESS_DENIED,

@@ -7,17 +7,24 @@ write refuses with exit code 3 rather than race a live writer.
 This module holds the Typer app: each command's arguments, help and output mode.
 The plumbing (consoles, exit codes, the bus conversation) is in
 :mod:`uapplace.cli.session`, the text rendering in :mod:`uapplace.cli.render`,
-``apply``/``load``/``unload`` in :mod:`uapplace.cli.enforce`, and the fallbacks that
-read the files in :mod:`uapplace.cli.files`.
+``apply``/``load``/``unload`` in :mod:`uapplace.cli.enforce`.
+
+It is the *light* app (docs/architecture.md, "The command line: light and local"): it
+imports typer, rich, dbus-fast and the bus client, nothing that reads the files with
+pydantic, controls units (pystemd) or speaks HTTP (aiohttp). ``install``,
+``uninstall``, ``demo``, ``logs``, ``unit``, ``measure --envelope`` and the file
+fallbacks of ``status``/``pending``/``validate`` run in :mod:`uapplace.cli.local`,
+exec'd in this process (:mod:`uapplace.cli.forward`); ``top`` in :mod:`uapplace.cli.top`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
+import os
 import sys
-from typing import TYPE_CHECKING, Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, NoReturn
 
 import typer
 from dbus_fast import Message, MessageType
@@ -25,19 +32,19 @@ from dbus_fast import Message, MessageType
 from uapplace import __version__
 from uapplace.bus.client import PlacementClient, PlacementError
 from uapplace.bus.events import EventLog, json_line
-from uapplace.cli import install as installer
-from uapplace.cli import logs as unit_logs
 from uapplace.cli.enforce import apply_impact, enforce, load_impact, unload_impact
-from uapplace.cli.files import (
-    envelope_steps,
-    pending_or_ledger,
-    state_or_ledger,
-    validation_report,
+from uapplace.cli.forward import (
+    LOCAL_COMMANDS,
+    MEASURE_ENVELOPE,
+    OFFLINE_PENDING,
+    OFFLINE_STATUS,
+    OFFLINE_VALIDATE,
+    PASS_THROUGH,
+    forward_argv,
+    run_local,
 )
 from uapplace.cli.render import (
     WATCHED_SIGNALS,
-    print_envelope,
-    print_install,
     print_measurement,
     print_pending,
     print_preview,
@@ -51,7 +58,8 @@ from uapplace.cli.session import (
     EXIT_USAGE,
     Unreachable,
     call,
-    err,
+    call_or,
+    exit_status,
     fail,
     out,
     print_json,
@@ -59,15 +67,7 @@ from uapplace.cli.session import (
     until_stopped,
 )
 from uapplace.core.model import DEFAULT_CELLS
-from uapplace.demo import real_engine, walkthrough
-from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH, Paths
-from uapplace.io.unitlogs import MAX_LINES
-
-if TYPE_CHECKING:
-    from uapplace.cli.install import InstallReport
-
-# The ledger, registry and install modules build pydantic schemas at import
-# (~0.3 s); the commands that need them import them, so `status` stays quick.
+from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 app = typer.Typer(
     help=(
@@ -82,6 +82,15 @@ app = typer.Typer(
 )
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+
+def _local(command: str, as_json: bool) -> Callable[[Unreachable], NoReturn]:
+    """Without uapplaced: exec the local app's ``command`` (it reads the files)."""
+
+    def offline(_: Unreachable) -> NoReturn:
+        run_local([command, *(["--json"] if as_json else [])])
+
+    return offline
 
 
 # --------------------------------------------------------------------------- version
@@ -127,7 +136,7 @@ def status(
     if ack:
         _acknowledge(list(alert_ids or []), as_json)
         return
-    state = state_or_ledger(as_json)
+    state: dict[str, Any] = call_or(lambda c: c.get_state(), _local(OFFLINE_STATUS, as_json))
     if as_json:
         print_json(state)
         return
@@ -147,7 +156,7 @@ def _acknowledge(alert_ids: list[str], as_json: bool) -> None:
 @app.command()
 def pending(as_json: JsonFlag = False) -> None:
     """Parked requests with their ranked options."""
-    listed = pending_or_ledger(as_json)
+    listed: dict[str, Any] = call_or(lambda c: c.list_pending(), _local(OFFLINE_PENDING, as_json))
     if as_json:
         print_json(listed)
         return
@@ -298,11 +307,13 @@ def measure(
         bool,
         typer.Option(
             "--envelope",
-            help="Measure the enforcement envelope instead: takes the backend down (needs --yes).",
+            help="Measure the enforcement envelope instead: takes the backend down, a switch "
+            "like unload (shows who stops; needs --yes).",
         ),
     ] = False,
     yes: Annotated[
-        bool, typer.Option("--yes", help="Consent to taking the backend down (--envelope).")
+        bool,
+        typer.Option("--yes", help="Consent to taking the backend down (--envelope), as unload."),
     ] = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -320,20 +331,10 @@ def measure(
         print_measurement(result)
 
 
-def _measure_envelope(model: str, config: str, yes: bool, as_json: bool) -> None:
-    if not yes:
-        err.print(
-            "measure --envelope takes the backend down. It will:\n"
-            + "\n".join(f"  {n}. {step}" for n, step in enumerate(envelope_steps(model, config), 1))
-            + "\nRun again with --yes to do it.",
-            markup=False,
-        )
-        raise typer.Exit(EXIT_REFUSED)
-    result: dict[str, Any] = call(lambda c: c.measure_envelope(model, config))
-    if as_json:
-        print_json(result)
-        return
-    print_envelope(result)
+def _measure_envelope(model: str, config: str, yes: bool, as_json: bool) -> NoReturn:
+    # Its steps are read from the registry files before consent is asked.
+    flags = [*(["--yes"] if yes else []), *(["--json"] if as_json else [])]
+    run_local([MEASURE_ENVELOPE, model, config, *flags])
 
 
 # --------------------------------------------------------------------------- validate
@@ -344,7 +345,7 @@ def validate(as_json: JsonFlag = False) -> None:
     """Cross-check the registry files and the capacity policy; print provenance.
 
     Exits 1 when there is any error. Without uapplaced, checks the files directly."""
-    report = validation_report(as_json)
+    report: dict[str, Any] = call_or(lambda c: c.validate(), _local(OFFLINE_VALIDATE, as_json))
     if as_json:
         print_json(report)
     else:
@@ -381,7 +382,12 @@ def auto(
     ] = None,
     idle_after: Annotated[
         int | None,
-        typer.Option("--idle-after", metavar="SECS", min=60, help="Idle time before unload."),
+        typer.Option(
+            "--idle-after",
+            metavar="SECS",
+            min=0,
+            help="Idle time before unload; 0 turns the idle sweep off (under 60 counts as 60).",
+        ),
     ] = None,
     yes: Annotated[
         bool, typer.Option("--yes", help="Record the standing consent the flags grant.")
@@ -469,28 +475,24 @@ def release(
     out.print(f"released hold {cookie}")
 
 
-# --------------------------------------------------------------------------- logs
+# --------------------------------------------------------------------------- local
 
 
-@app.command()
-def logs(
-    model: Annotated[str, typer.Argument(help="Model key, config key or advertised id.")],
-    lines: Annotated[
-        int,
-        typer.Option(
-            "--lines", "-n", min=1, max=MAX_LINES, help="How many of the last lines to print."
-        ),
-    ] = unit_logs.DEFAULT_LINES,
-    follow: Annotated[
-        bool,
-        typer.Option("--follow", "-f", help="Then print each new line as it comes, until Ctrl-C."),
-    ] = False,
-    as_json: JsonFlag = False,
-) -> None:
-    """The last lines MODEL's unit wrote: its stderr's log file (StandardError=append:|file:),
-    else the user journal (its latest run only), else its stdout's file. Exit 7 for an
-    unknown model or one without a unit, 1 when it has no log."""
-    unit_logs.show(model, lines, follow, as_json)
+def _forward(name: str) -> None:
+    """Register ``name`` as a command that execs the local app's (its help, its exit code).
+
+    ``main`` execs before click parses anything (``--`` survives); this command is what
+    ``--help`` lists, and what runs when the app is invoked without ``main``."""
+
+    def forward(ctx: typer.Context) -> NoReturn:
+        run_local([name, *ctx.args])
+
+    app.command(
+        name, help=LOCAL_COMMANDS[name], context_settings=PASS_THROUGH, add_help_option=False
+    )(forward)
+
+
+_forward("logs")
 
 
 # --------------------------------------------------------------------------- watch
@@ -534,129 +536,42 @@ def watch(as_json: JsonFlag = False) -> None:
     call(work)
 
 
-# --------------------------------------------------------------------------- install
-
-
-def _print_install(report: InstallReport, as_json: bool) -> None:
-    if as_json:
-        print_json(report.to_json())
-    else:
-        print_install(report)
-    if not report.ok:
-        raise typer.Exit(EXIT_REFUSED)
+# --------------------------------------------------------------------------- top
 
 
 @app.command()
-def install(
-    force: Annotated[
-        bool, typer.Option("--force", help="Replace files not written by uapplace install.")
-    ] = False,
-    with_shim: Annotated[
-        bool,
-        typer.Option(
-            "--with-shim",
-            help="Also install the uapplace-shim user unit and its dashboard token (0600).",
-        ),
-    ] = False,
-    enable_shim: Annotated[
-        bool,
-        typer.Option(
-            "--enable-shim",
-            help="As --with-shim, then enable the shim unit (default.target) and start it now.",
-        ),
-    ] = False,
-    shim_port: Annotated[
-        int | None,
-        typer.Option(
-            "--shim-port", min=1, max=65535, help="The shim unit's port (implies --with-shim)."
-        ),
-    ] = None,
-    as_json: JsonFlag = False,
-) -> None:
-    """Install the D-Bus activation file and the uapplaced user unit (with --with-shim, the
-    shim's unit and token too), then reload. `uapplace uninstall` removes exactly these."""
+def top() -> None:
+    """A live view: devices with memory bars, residents, targets (in flight, rails),
+    pending requests with their options and impact, open alerts, the enforcement run.
 
-    shim = None
-    if with_shim or enable_shim or shim_port is not None:
-        shim = installer.ShimInstall(enable=enable_shim, port=shim_port)
-    try:
-        report = asyncio.run(installer.install(Paths.from_env(), force, shim))
-    except installer.InstallError as error:
-        fail(EXIT_REFUSED, str(error))
-    _print_install(report, as_json)
+    Keys: a apply the selected option (shows the impact, y confirms), d dismiss, h hold or
+    release the selected resident (while top runs), k acknowledge the selected alert,
+    l the selected model's logs, q quit. Follows uapplaced's signals and reconnects
+    when it restarts."""
+    # Its own process: Textual takes a second to import, which every other command
+    # would pay if this module imported uapplace.cli.top.
+    os.execv(sys.executable, [sys.executable, "-m", "uapplace.cli.top"])
 
 
-@app.command()
-def uninstall(as_json: JsonFlag = False) -> None:
-    """Stop the shim unit it installed, remove exactly what `uapplace install` wrote
-    (its manifest lists it), then reload."""
-
-    try:
-        report = asyncio.run(installer.uninstall(Paths.from_env()))
-    except installer.InstallError as error:
-        fail(EXIT_REFUSED, str(error))
-    _print_install(report, as_json)
-
-
-# --------------------------------------------------------------------------- demo
-
-
-@app.command()
-def demo(
-    keep: Annotated[
-        bool, typer.Option("--keep", help="Leave the demo running until Ctrl-C.")
-    ] = False,
-    single_upstream: Annotated[
-        bool,
-        typer.Option(
-            "--single-upstream",
-            help="Both engines on one port, one at a time, as behind the stock UAP proxy.",
-        ),
-    ] = False,
-    proxy_url: Annotated[
-        str | None,
-        typer.Option(
-            "--proxy-url", help="An outside proxy's base URL (its /internal/placement routes)."
-        ),
-    ] = None,
-    proxy_token: Annotated[
-        str | None,
-        typer.Option("--proxy-token", help="That proxy's PROXY_AUTH_TOKEN (printed either way)."),
-    ] = None,
-    engine: Annotated[
-        str,
-        typer.Option(
-            "--engine",
-            metavar="fake|llama.cpp",
-            help="fake: simulated GPU, fake engines (quick). llama.cpp: real llama-server "
-            "units on the CPU, measured by uapplace (needs `make engine`; one port, so "
-            "--single-upstream is implied).",
-        ),
-    ] = "fake",
-) -> None:
-    """Run the embedded demo (contained systemd; a simulated GPU and fake engines, or real
-    llama-server units on the CPU with --engine llama.cpp)."""
-    if engine not in ("fake", "llama.cpp"):
-        raise typer.BadParameter(
-            f"{engine!r} is not an engine of the demo: fake or llama.cpp", param_hint="--engine"
-        )
-    if proxy_url is not None and not proxy_url.startswith(("http://", "https://")):
-        raise typer.BadParameter(
-            f"{proxy_url!r} is not an http:// or https:// URL", param_hint="--proxy-url"
-        )
-    if proxy_token is not None and proxy_url is None:
-        raise typer.BadParameter("needs --proxy-url", param_hint="--proxy-token")
-    if engine == "llama.cpp":
-        code = real_engine.run(keep, proxy_url=proxy_url, proxy_token=proxy_token)
-        raise typer.Exit(int(code))
-    code = walkthrough.run(
-        keep, single_upstream=single_upstream, proxy_url=proxy_url, proxy_token=proxy_token
-    )
-    raise typer.Exit(int(code))
+for _name in ("install", "uninstall", "demo", "unit"):
+    _forward(_name)
 
 
 def main() -> None:
-    app()
+    """The ``uapplace`` console entry: exec a local command, or run the light app and end
+    the process at once (docs/architecture.md, "The command line: light and local")."""
+    forward_argv(sys.argv)
+    try:
+        app()
+    except SystemExit as done:
+        code = exit_status(done)
+        # Past this point nothing is left to lose: each command's bus conversation ended
+        # (closed) inside it, and the output is flushed here (a flush that fails, e.g. a
+        # closed pipe, propagates and Python's own teardown reports it). Python's teardown
+        # of its modules and their objects took 0.1-0.3 s of every `uapplace apply`.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""``apply``, ``load`` and ``unload``: show the impact, get consent, follow the run live.
+"""``apply``, ``load``, ``unload`` and ``measure --envelope``: show the impact, get consent,
+follow the run live.
 
 The three commands differ only in what they ask first (:func:`apply_impact`,
 :func:`load_impact`, :func:`unload_impact`) and which call they send; :func:`enforce`
@@ -23,13 +24,23 @@ from rich.markup import escape
 
 from uapplace.bus.client import PlacementClient, PlacementError
 from uapplace.cli.render import option_header, show_impact
-from uapplace.cli.session import EXIT_REFUSED, call, err, fail, out, print_json, subscribe
+from uapplace.cli.session import (
+    EXIT_REFUSED,
+    EXIT_UNREACHABLE,
+    Unreachable,
+    call,
+    call_or,
+    err,
+    fail,
+    out,
+    print_json,
+    subscribe,
+)
 from uapplace.core.admission import check_option_index
 from uapplace.core.errors import InvalidArgument
 from uapplace.core.model import DEFAULT_CELLS
-from uapplace.core.steps import REVALIDATE
+from uapplace.core.steps import REVALIDATE, split_last_lines
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
-from uapplace.io.unitlogs import split_last_lines
 
 
 @dataclass(frozen=True)
@@ -242,3 +253,58 @@ def _finish_result(result: dict[str, Any], as_json: bool, what: str) -> None:
             out.print(f"  error: {error}", markup=False)
     if not result.get("ok"):
         raise typer.Exit(EXIT_REFUSED)
+
+
+# --------------------------------------------------------------------------- measure --envelope
+
+
+def measure_envelope(
+    model: str, config: str, steps: list[str], yes: bool, as_json: bool
+) -> dict[str, Any]:
+    """``measure --envelope``: a switch like ``unload`` (issue 21, item 1).
+
+    Shows who stops (``PreviewUnload``: the model's residents, their clients and
+    in-flight work) and what the measurement does (``steps``, from the registry files),
+    takes ``--yes`` or a y/N answer, then sends ``PreviewUnload``'s signature with the
+    call; the daemon refuses any other set (``Drifted``), a held model (``Busy``) and
+    drains first. With no daemon to ask, the steps alone are shown and nothing is sent.
+    Returns the result; exits 1 without consent."""
+    console = err if as_json else out
+
+    async def work(client: PlacementClient) -> dict[str, Any] | None:
+        signature: list[str] = []
+        try:
+            impact = await unload_impact(client, model)
+        except PlacementError as error:
+            # Not resident (or no daemon part to ask): the daemon's own call says why.
+            console.print(f"Who stops: unknown ({error.short}: {error.message})", markup=False)
+        else:
+            assert isinstance(impact, Impact)
+            show_impact(console, f"measure --envelope {model} stops:", impact.victims, None)
+            signature = impact.signature
+        err.print(_envelope_plan(steps), markup=False)
+        if not _consented(True, yes, as_json, f"Take {model} down and up to time it?"):
+            return None
+        client.call_timeout = None  # a drain may take as long as the work in flight
+        result: dict[str, Any] = await client.measure_envelope(model, config, signature)
+        return result
+
+    def offline(error: Unreachable) -> dict[str, Any] | None:
+        err.print(_envelope_plan(steps), markup=False)
+        if not yes:
+            return None
+        fail(EXIT_UNREACHABLE, str(error))
+
+    result = call_or(work, offline)
+    if result is None:
+        err.print("Run again with --yes to do it.", markup=False)
+        raise typer.Exit(EXIT_REFUSED)
+    if not as_json:
+        _steps(result, out)
+    return result
+
+
+def _envelope_plan(steps: list[str]) -> str:
+    return "measure --envelope takes the backend down. It will:\n" + "\n".join(
+        f"  {n}. {step}" for n, step in enumerate(steps, 1)
+    )

@@ -3,24 +3,17 @@
 ``status`` and ``pending`` fall back to the ledger (read-only, never moved aside:
 that is the daemon's job), ``validate`` checks the registry and policy files
 directly, and ``measure --envelope`` lists its steps from the registry before it
-asks for consent. Called by :mod:`uapplace.cli.app` only. The ledger, registry and
-capacity modules build pydantic schemas at import (~0.3 s), so each function
-imports what it needs and ``status`` with a daemon stays quick.
+asks for consent. The ledger, registry and capacity modules build pydantic schemas
+at import (~0.3 s), so only :mod:`uapplace.cli.local` imports this module: the light
+app asks the bus first and execs that one when nobody answers (docs/architecture.md,
+"The command line: light and local").
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from uapplace.cli.session import (
-    EXIT_REFUSED,
-    EXIT_UNREACHABLE,
-    Unreachable,
-    call_or,
-    err,
-    fail,
-    out,
-)
+from uapplace.cli.session import EXIT_REFUSED, EXIT_UNREACHABLE, err, fail, out
 from uapplace.files.capacity import has_errors, load_capacity_policy, timeouts_findings
 from uapplace.files.capacity import validate as validate_files
 from uapplace.files.jsonfile import LEDGER_MAX_BYTES, ConfigFileError, read_capped_or_none
@@ -59,44 +52,29 @@ def _offline_note(paths: Paths, as_json: bool) -> str:
     return note
 
 
-def state_or_ledger(as_json: bool) -> dict[str, Any]:
-    """``GetState``, or the ledger file marked ``daemon: false`` when nobody answers."""
-
-    def offline(_: Unreachable) -> dict[str, Any]:
-        paths = Paths.from_env()
-        _offline_note(paths, as_json)
-        doc = _read_ledger(paths)
-        doc["daemon"] = False
-        doc["ledger_path"] = str(paths.ledger)
-        return doc
-
-    state: dict[str, Any] = call_or(lambda c: c.get_state(), offline)
-    return state
+def offline_state(as_json: bool) -> dict[str, Any]:
+    """What ``status`` shows without a daemon: the ledger file marked ``daemon: false``."""
+    paths = Paths.from_env()
+    _offline_note(paths, as_json)
+    doc = _read_ledger(paths)
+    doc["daemon"] = False
+    doc["ledger_path"] = str(paths.ledger)
+    return doc
 
 
-def pending_or_ledger(as_json: bool) -> dict[str, Any]:
-    """``ListPending``, or the ledger's pending list (with a note) when nobody answers."""
-
-    def offline(_: Unreachable) -> dict[str, Any]:
-        paths = Paths.from_env()
-        note = _offline_note(paths, as_json)
-        return {"pending": _read_ledger(paths)["pending"], "daemon": False, "note": note}
-
-    listed: dict[str, Any] = call_or(lambda c: c.list_pending(), offline)
-    return listed
+def offline_pending(as_json: bool) -> dict[str, Any]:
+    """What ``pending`` shows without a daemon: the ledger's pending list, with a note."""
+    paths = Paths.from_env()
+    note = _offline_note(paths, as_json)
+    return {"pending": _read_ledger(paths)["pending"], "daemon": False, "note": note}
 
 
-def validation_report(as_json: bool) -> dict[str, Any]:
-    """``Validate``, or the same report computed here from the files when nobody answers."""
-
-    def offline(_: Unreachable) -> dict[str, Any]:
-        (err if as_json else out).print(
-            "uapplaced is not running; validated the files directly", markup=False
-        )
-        return validate_locally()
-
-    report: dict[str, Any] = call_or(lambda c: c.validate(), offline)
-    return report
+def validate_offline(as_json: bool) -> dict[str, Any]:
+    """What ``validate`` shows without a daemon: the report computed here from the files."""
+    (err if as_json else out).print(
+        "uapplaced is not running; validated the files directly", markup=False
+    )
+    return validate_locally()
 
 
 def _error_findings(error: ConfigFileError) -> list[dict[str, Any]]:
@@ -116,7 +94,9 @@ def validate_locally() -> dict[str, Any]:
 
     paths = Paths.from_env()
     try:
-        loaded = load_registry(paths.repo_registry, paths.local_registry)
+        loaded = load_registry(
+            paths.repo_registry, paths.local_registry, proxy_env=paths.proxy_env_file
+        )
         # As the daemon does: a measurement taken on another card than the probe sees is unknown.
         loaded = gate_on_devices(loaded, make_probe(paths, loaded.registry).read())
     except ConfigFileError as error:
@@ -161,6 +141,8 @@ def envelope_steps(model: str, config: str) -> list[str]:
     unit = (found.unit_for(chosen) if chosen else found.unit) if found else None
     what = f"{model}/{config}" if config else model
     steps = [
+        f"drain {what}: new requests for it park, the ones in flight finish first (refused "
+        "if it is held, or if they outlast the drain bound)",
         f"stop {unit or 'its unit'}: {what} goes down, requests for it wait or fail",
         "wait until the device probe shows its memory back",
         "start it (cold start) and wait until it is healthy and serves its id",

@@ -482,7 +482,7 @@ async def _reload(report: InstallReport) -> None:
     """Tell the user manager (unit files) and the bus (activation files) to look again."""
     try:
         async with asyncio.timeout(RELOAD_TIMEOUT_S):
-            async with UnitManager() as manager:
+            async with UnitManager(in_process=True) as manager:
                 await manager.reload()
         report.reloaded = True
         report.reload_message = "the user manager reloaded its unit files"
@@ -498,7 +498,7 @@ async def _shim_job(report: InstallReport, start: bool) -> None:
     """Start the shim unit (``--enable-shim``) or stop it before its file goes (uninstall)."""
     verb = "start" if start else "stop"
     try:
-        async with UnitManager() as manager:
+        async with UnitManager(in_process=True) as manager:
             if not start:
                 state = await manager.state(SHIM_UNIT_NAME)
                 if state.active_state not in RUNNING_OR_STARTING_STATES:

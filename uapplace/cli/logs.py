@@ -137,7 +137,7 @@ def _registry_unit(registry: Registry, model: Model, config: str | None) -> str:
 
 async def unit_state(unit: str) -> UnitState:
     """``unit`` as the user manager reports it (``LogFacts`` included)."""
-    async with UnitManager(user_bus_address()) as units:
+    async with UnitManager(user_bus_address(), in_process=True) as units:
         return await units.state(unit)
 
 
@@ -146,6 +146,9 @@ def _read_state(found: ModelUnit) -> UnitState:
         state = asyncio.run(unit_state(found.unit))
     except UnitError as error:
         fail(EXIT_REFUSED, f"cannot ask the user manager about {found.unit}: {error}")
+    except Exception as error:  # pystemd's own, when no user manager answers on the bus
+        first = (str(error) or type(error).__name__).splitlines()[0]
+        fail(EXIT_REFUSED, f"no systemd user manager answers about {found.unit}: {first}")
     if state.load_state == "not-found":
         fail(
             EXIT_NOT_FOUND,

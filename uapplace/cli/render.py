@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -19,9 +19,6 @@ from rich.table import Table
 
 from uapplace.cli.session import out
 from uapplace.core.model import parse_iso
-
-if TYPE_CHECKING:
-    from uapplace.cli.install import InstallReport
 
 
 def mib(value: Any) -> str:
@@ -400,19 +397,6 @@ def print_envelope(result: dict[str, Any]) -> None:
     for name, value in envelope.items():
         out.print(f"  {name}: {value}", markup=False)
     out.print(f"written to {result.get('written')}", markup=False)
-
-
-def print_install(report: InstallReport) -> None:
-    """``install``/``uninstall`` as text: each file and what was done to it, then the reload."""
-    changes = [*report.files, *report.dirs]
-    if report.manifest is not None:
-        changes.append(report.manifest)
-    for change in changes:
-        detail = f" ({change.detail})" if change.detail else ""
-        out.print(f"{change.action}: {change.path}{detail}", markup=False)
-    out.print(report.reload_message, markup=False)
-    if report.shim_unit:
-        out.print(report.shim_unit, markup=False)
 
 
 # --------------------------------------------------------------------------- signals

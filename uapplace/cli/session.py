@@ -164,6 +164,16 @@ def _unreachable(error: Unreachable) -> NoReturn:
     fail(EXIT_UNREACHABLE, str(error))
 
 
+def exit_status(done: SystemExit) -> int:
+    """The process exit status Python gives ``done`` (``None`` 0; a message: printed, 1)."""
+    if done.code is None:
+        return EXIT_OK
+    if isinstance(done.code, int):
+        return done.code
+    sys.stderr.write(f"{done.code}\n")
+    return EXIT_REFUSED
+
+
 def print_json(value: Any) -> None:
     sys.stdout.write(json.dumps(value, indent=2) + "\n")
     sys.stdout.flush()

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from uapplace.controller.standing import Cooldowns
 from uapplace.core.model import (
+    Config,
     Option,
     OptionKind,
     ParkReason,
@@ -28,6 +29,7 @@ from uapplace.core.model import (
     Registry,
 )
 from uapplace.files.autopolicy import AutoPolicy, PolicySource
+from uapplace.files.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 
@@ -112,18 +114,57 @@ def enforcement_envelope_s(timeouts: EnvelopeTimeouts) -> float:
     )
 
 
+def option_envelope_s(timeouts: Timeouts, registry: Registry, option: Option) -> float:
+    """The longest a successful run of ``option`` takes, by the bounds enforcement itself
+    uses for its configs (issue 21 item 8): the drain and verify-free bounds over the
+    victims' envelopes, ``stop_s``, ``start_s``, and the verify-up bound of the config
+    that starts (its envelope, measured start or ``start_timeout_s``), or its wake bound
+    for a ``wake``; the defaults where a config records nothing
+    (:class:`~uapplace.files.timeouts.Timeouts`)."""
+    starting = (
+        f"{option.model}/{option.config}",
+        _config_of(registry, option.model, option.config),
+    )
+    victims = [(v.signature, _config_of(registry, v.model, v.config)) for v in option.victims]
+    label, config = starting
+    if option.kind is OptionKind.REUSE:
+        up = 0.0
+    elif option.kind is OptionKind.WAKE:
+        up = timeouts.wake_bound(label, config, timeouts.verify_up_s).seconds
+    else:
+        up = timeouts.verify_up_bound(label, config, timeouts.verify_up_s).seconds
+    return (
+        timeouts.drain_bound(starting, victims).seconds
+        + (timeouts.stop_s if victims else 0.0)
+        + timeouts.verify_free_bound(victims).seconds
+        + timeouts.start_s
+        + up
+    )
+
+
+def _config_of(registry: Registry, model: str, config: str) -> Config | None:
+    found = registry.models.get(model)
+    return found.configs.get(config) if found is not None else None
+
+
 def pick_option(options: Sequence[Option], policy: AutoPolicy, model: str) -> int | None:
     """The 1-based index of the first option, in the operator's ranking, auto may take.
 
-    Non-displacing options whenever auto is enabled; a displacement only when the
-    *requested* model is in ``allow_displace``.
+    Non-displacing options whenever auto is enabled (a ``wake`` that stops or pauses
+    nobody is one: issue 21 item 6); a displacement only when the *requested* model is
+    in ``allow_displace``.
     """
     if not policy.enabled:
         return None
     for index, option in enumerate(options, start=1):
-        if option.kind in _NON_DISPLACING or policy.may_displace_for(model):
+        if displaces_nobody(option) or policy.may_displace_for(model):
             return index
     return None
+
+
+def displaces_nobody(option: Option) -> bool:
+    """A reuse, a load alongside, or a wake with no victims."""
+    return option.kind in _NON_DISPLACING or (option.kind is OptionKind.WAKE and not option.victims)
 
 
 @dataclass
@@ -163,12 +204,20 @@ class AutoRunner:
         *,
         envelope_s: float = DEFAULT_ENVELOPE_S,
         clock: Callable[[], float] = time.time,
+        option_envelope: Callable[[Option], float] | None = None,
+        on_runs: Callable[[frozenset[str]], None] | None = None,
     ) -> None:
         self.host = host
         self.enforcer = enforcer
         self.policy = policy
         self._registry = registry
         self.envelope_s = envelope_s
+        """The envelope where no option is known (``option_envelope`` absent)."""
+        self._option_envelope = option_envelope
+        """The envelope of one option by its configs' own bounds (:func:`option_envelope_s`)."""
+        self._on_runs = on_runs
+        """Told the model keys with a scheduled run after each change (admission answers
+        ``auto_loading`` at once for a new park of one of them)."""
         self._clock = clock
         self._runs: dict[str, _Run] = {}
         self._turn = asyncio.Lock()
@@ -209,8 +258,17 @@ class AutoRunner:
                 return None
         run.original[current.id] = current.reason
         ahead = 0 if run.started else list(self._runs).index(model)
-        self._mark_loading(current, now + self.envelope_s * (ahead + 1) + ENVELOPE_MARGIN_S)
+        envelope = self._envelope_of(plan.options, policy, model)
+        self._mark_loading(current, now + envelope * (ahead + 1) + ENVELOPE_MARGIN_S)
         return ParkReason.AUTO_LOADING
+
+    def _envelope_of(self, options: Sequence[Option], policy: AutoPolicy, model: str) -> float:
+        """The envelope of the option auto would take from ``options`` (the default one
+        without a per-option bound, or when none may be taken)."""
+        index = pick_option(options, policy, model)
+        if self._option_envelope is None or index is None:
+            return self.envelope_s
+        return self._option_envelope(options[index - 1])
 
     def status(self) -> dict[str, Any]:
         """``{"running": model | None, "queued": [model…], "cooldowns": {model: until}}``."""
@@ -258,6 +316,7 @@ class AutoRunner:
             return None
         run = _Run(model, {})
         self._runs[model] = run
+        self._runs_changed()
         task = asyncio.get_running_loop().create_task(self._execute(run), name=f"auto-{model}")
         self._tasks[task] = run
         task.add_done_callback(self._task_done)
@@ -299,6 +358,11 @@ class AutoRunner:
     def _forget(self, run: _Run) -> None:
         if self._runs.get(run.model) is run:
             del self._runs[run.model]
+            self._runs_changed()
+
+    def _runs_changed(self) -> None:
+        if self._on_runs is not None:
+            self._on_runs(frozenset(self._runs))
 
     async def _attempt(self, run: _Run) -> bool | None:
         """``True``/``False`` for a run that enforced; ``None`` when it did not happen."""
@@ -320,8 +384,9 @@ class AutoRunner:
         entry = replace(entry, options=fresh.options)
         self.host.replace_pending(entry)
         run.applied = entry.id
-        self._extend(run, self._clock() + self.envelope_s + ENVELOPE_MARGIN_S)
         option = fresh.options[index - 1]
+        envelope = self._option_envelope(option) if self._option_envelope else self.envelope_s
+        self._extend(run, self._clock() + envelope + ENVELOPE_MARGIN_S)
         log.warning(
             "auto: enforcing %s option %d for %s (%s %s/%s on %s%s)",
             entry.id,

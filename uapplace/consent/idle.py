@@ -9,8 +9,10 @@ resident model:
 - **off by default**: no ``unload_idle_after_secs`` → the tick does nothing at
   all; the window floors at 60 s;
 - **consent per model**: a model not in ``unload_allow`` is never touched;
-- only a model whose every resident is ``hot`` and not held on the bus
-  (``Hold``) is considered; a held one has its clock reset;
+- only a model whose every resident is ``hot`` or ``paused`` and not held on the bus
+  (``Hold``) is considered; a held one has its clock reset. A ``paused`` resident
+  (weights offloaded, host RAM still held) goes with the same consent as a hot one
+  (issue 21 item 6): ``unload_allow`` and the window, nothing more;
 - **demand wins**: a non-expired pending entry for the model, or a cooldown
   after a failed run, skips it;
 - **the clock** is ``usage[model]``, touched by the controller on every gated
@@ -50,6 +52,8 @@ from uapplace.files.autopolicy import AutoPolicy, PolicySource
 log = logging.getLogger(__name__)
 
 DEFAULT_SWEEP_INTERVAL_S = 20.0
+_SWEEPABLE = frozenset({ResidentState.HOT, ResidentState.PAUSED})
+"""States the sweep may unload from; ``warming`` and ``draining`` are mid-change."""
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -223,9 +227,9 @@ class IdleSweep:
         if not residents:
             return "no longer resident"
         watched = self._observe(model, residents, now)
-        not_hot = [r for r in residents if r.state is not ResidentState.HOT]
-        if not_hot:
-            return f"{not_hot[0].signature} is {not_hot[0].state.value}"
+        moving = [r for r in residents if r.state not in _SWEEPABLE]
+        if moving:
+            return f"{moving[0].signature} is {moving[0].state.value}"
         if any(h.kind == "hold" for r in residents for h in r.holders):
             self._touch(model, now)
             return "held on the bus"

@@ -5,9 +5,11 @@ cooldowns and alerts; the other modules are its parts: the configuration in forc
 (``configstate``, which also makes residents follow a re-measure), pending entries'
 options (``pending``), the ledger's write-behind (``persist``), holds (``holds``), usage
 and cooldowns (``standing``), what follows an alert (``alertdesk``), the host against its
-reserve (``reserve``), the ``Conflicts=`` drop-ins (``dropins``), its JSON views
-(``views``), the Protocols of its collaborators (``ports``) and the door to
-enforcement (``door``).
+reserve (``reserve``), a GPU's memory against its residents' footprints (``drift``), the
+``Conflicts=`` drop-ins (``dropins``), its JSON views
+(``views``), the Protocols of its collaborators (``ports``), the door to
+enforcement (``door``), residents listed on another device than measured (``misfiled``)
+and ``validate``'s findings from what the units run now (``launchcheck``).
 
 May import: ``core``, ``files``, ``bus``, ``io``. It knows no machinery: enforcement,
 recovery and publication call it, never the other way round.

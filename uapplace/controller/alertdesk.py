@@ -12,12 +12,48 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from uapplace.controller.configstate import ConfigState
 from uapplace.controller.ports import ControllerEvents, Notifications
 from uapplace.core.alerts import Alert, AlertBoard, AlertKind, Severity
 from uapplace.core.errors import NotFound
+from uapplace.files.jsonfile import ConfigFileError
 from uapplace.io.counters import DaemonCounters
 
 log = logging.getLogger(__name__)
+
+POLICY_KEPT = "the last good policy stays"
+POLICY_NONE = "verify-up refuses"
+
+
+def policy_kept(has_policy: bool) -> str:
+    """What stays in force when the capacity policy file is broken."""
+    return POLICY_KEPT if has_policy else POLICY_NONE
+
+
+def files_not_taken(state: ConfigState) -> list[tuple[ConfigFileError, str]]:
+    """The config files ``state`` could not take, each with what stays in force: the
+    machine-local registry (its last good version, or the repo figures) and the capacity
+    policy (the last good one, or none: verify-up refuses)."""
+    local_kept = (
+        "the last good version read before stays in force until it is fixed"
+        if state.registry_load.local_kept
+        else "it is ignored whole: its measurements do not count until it is fixed"
+    )
+    taken = [(err, local_kept) for err in state.registry_load.errors[:1]]
+    if state.policy_error is not None:
+        taken.append((state.policy_error, policy_kept(state.policy is not None)))
+    return taken
+
+
+def file_not_taken(board: AlertBoard, problem: ConfigFileError, kept: str) -> Alert:
+    """The ``config_error`` alert for a file uapplaced could not take, once while open
+    (a reload and SIGHUP's own check both report it: one raise, one notification)."""
+    return board.raise_unless_open(
+        AlertKind.CONFIG_ERROR,
+        Severity.WARNING,
+        str(problem.file),
+        f"{problem.file} was not taken ({problem.json_path}: {problem.message}); {kept}",
+    )
 
 
 class AlertDesk:

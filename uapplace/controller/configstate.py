@@ -1,5 +1,7 @@
 """The configuration in force while ``uapplaced`` runs: the registry, the capacity
-policy and the device probe made for them, each kept at its last good version.
+policy and the device probe made for them, each kept at its last good version (a broken
+machine-local registry or capacity policy on a reload keeps the version read before, and
+says so: ``registry_load.local_kept``, :attr:`ConfigState.policy_state`).
 
 The controller owns one :class:`ConfigState` and swaps it on reload; ``wiring.build``
 reads the first one before the bus is touched (a bad repo registry is exit 2), and
@@ -11,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from uapplace.core.alerts import AlertBoard, AlertKind, Severity
 from uapplace.core.errors import UnknownModel
 from uapplace.core.model import DeviceKind, Model, Registry, Resident, ResidentState, iso
+from uapplace.core.staleness import LiveLaunch, Staleness, gate_on_launch
 from uapplace.core.victims import config_of
 from uapplace.files.capacity import (
     CapacityPolicy,
@@ -29,6 +32,7 @@ from uapplace.files.capacity import (
 from uapplace.files.jsonfile import ConfigFileError
 from uapplace.files.paths import Paths
 from uapplace.files.registry import RegistryLoad, gate_on_devices, load_registry
+from uapplace.files.registry_schema import LocalRegistryDoc
 from uapplace.io.devices import Probe, make_probe
 
 log = logging.getLogger(__name__)
@@ -47,17 +51,26 @@ class ConfigState:
     """When the policy in force was read (it outlives a broken file: ``policy_state``)."""
 
     @classmethod
-    def read(cls, paths: Paths, clock: Callable[[], float] = time.time) -> ConfigState:
+    def read(
+        cls,
+        paths: Paths,
+        clock: Callable[[], float] = time.time,
+        last_good_local: LocalRegistryDoc | None = None,
+    ) -> ConfigState:
         """Blocking: read registry and policy, probe the devices once.
 
         Raises :class:`ConfigFileError` when the repo registry is invalid. A local
-        registry that is invalid is ignored (its errors are in ``registry_load.errors``);
-        a capacity policy that is missing or invalid is reported by ``validate`` and
-        makes every verify-up refuse (:meth:`policy_refusal`).
+        registry that is invalid is not taken (its errors are in ``registry_load.errors``):
+        ``last_good_local`` stays merged when given (:meth:`reread`), else the repo
+        defaults; a capacity policy that is missing or invalid is reported by ``validate``
+        and makes every verify-up refuse (:meth:`policy_refusal`).
         """
-        load = load_registry(paths.repo_registry, paths.local_registry)
+        load = load_registry(
+            paths.repo_registry, paths.local_registry, last_good_local, paths.proxy_env_file
+        )
+        kept = "keeping the last good one" if load.local_kept else "using the repo defaults"
         for err in load.errors:
-            log.error("ignoring the machine-local registry: %s", err)
+            log.error("machine-local registry not taken, %s: %s", kept, err)
         policy, policy_error = _read_policy(paths)
         probe = make_probe(paths, load.registry)
         return cls(
@@ -70,11 +83,12 @@ class ConfigState:
         )
 
     def reread(self, clock: Callable[[], float] = time.time) -> ConfigState:
-        """Blocking: the files as they are now; a broken policy keeps the last good one.
+        """Blocking: the files as they are now; a broken policy or machine-local registry
+        keeps the last good one.
 
         Raises :class:`ConfigFileError` when the repo registry is invalid (the caller
         keeps this state)."""
-        fresh = ConfigState.read(self.paths, clock)
+        fresh = ConfigState.read(self.paths, clock, self.registry_load.local_doc)
         if fresh.policy is None and self.policy is not None:
             log.error(
                 "capacity policy reload failed, keeping the last good one: %s", fresh.policy_error
@@ -156,10 +170,15 @@ class LiveConfig:
     everyone that needs the registry of the moment (auto-policy store, drop-in writer)."""
 
     def __init__(self, state: ConfigState) -> None:
+        self._read = state
+        """The files as read (before the stale-measurement gate)."""
+        self._live: Mapping[str, LiveLaunch] = {}
+        self._stale: tuple[Staleness, ...] = ()
         self._state = state
 
     @property
     def state(self) -> ConfigState:
+        """The state in force: stale measurements are unknown in its registry."""
         return self._state
 
     @property
@@ -170,25 +189,56 @@ class LiveConfig:
         return self._state.registry
 
     def swap(self, state: ConfigState) -> None:
-        self._state = state
+        self._read = state
+        self._gate()
+
+    @property
+    def stale(self) -> tuple[Staleness, ...]:
+        """Measured configs whose launch changed since (:mod:`uapplace.core.staleness`)."""
+        return self._stale
+
+    @property
+    def live(self) -> Mapping[str, LiveLaunch]:
+        """Unit file name → what it runs now, as last read (empty before enforcement)."""
+        return self._live
+
+    def use_launch(self, live: Mapping[str, LiveLaunch]) -> None:
+        """What each unit runs now (``ExecStart``, engine build): a measurement taken
+        under another launch is unknown from now on (docs/placement-rules.md §4.1.1)."""
+        self._live = live
+        self._gate()
+
+    def _gate(self) -> None:
+        load = self._read.registry_load
+        registry, self._stale = gate_on_launch(load.registry, self._live)
+        if not self._stale:
+            self._state = self._read
+            return
+        for stale in self._stale:
+            log.error("measurement not used: %s/%s: %s", stale.model, stale.config, stale.message)
+        self._state = replace(self._read, registry_load=replace(load, registry=registry))
 
 
 def report_topology(load: RegistryLoad, alerts: AlertBoard) -> None:
-    """With ``proxy.single_upstream``, log every model the proxy cannot reach after a
-    switch as an error and raise one ``config_error`` alert naming them (at start and
-    after each reload; ``validate`` lists them as errors too)."""
-    findings = topology_findings(load)
+    """Log every model the proxy cannot reach after a switch as an error and raise one
+    ``config_error`` alert naming them (at start and after each reload; ``validate`` lists
+    them as errors too): with ``proxy.single_upstream``, the endpoints that are not it;
+    without, the ones that are not the stock proxy's own ``LLAMA_CPP_BASE``
+    (:mod:`uapplace.files.proxyenv`), before a swap makes its clients get 529. The
+    warning for several ports with no word on the proxy is ``validate``'s only."""
+    findings = [f for f in topology_findings(load) if f.severity == "error"]
     for finding in findings:
         log.error("%s", finding)
     if findings:
-        names = "; ".join(f.message for f in findings[:3])
+        names = "; ".join(f"{f.json_path}: {f.message}" for f in findings[:3])
         more = f" (and {len(findings) - 3} more)" if len(findings) > 3 else ""
+        stock = load.registry.single_upstream is None and load.proxy_upstream is not None
+        what = "the stock proxy's one upstream" if stock else "the single-upstream proxy"
         alerts.raise_alert(
             AlertKind.CONFIG_ERROR,
             Severity.WARNING,
             f"{load.repo_path}: proxy.single_upstream",
-            f"{len(findings)} model(s) unreachable through the single-upstream proxy: "
-            f"{names}{more}",
+            f"{len(findings)} model(s) unreachable through {what}: {names}{more}",
             {"findings": [f.to_json() for f in findings[:20]]},
         )
 

@@ -33,14 +33,15 @@ Three rules shape the code:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from uapplace import __version__
-from uapplace.controller.alertdesk import AlertDesk
+from uapplace.controller.alertdesk import AlertDesk, file_not_taken, files_not_taken
 from uapplace.controller.configstate import (
     ConfigState,
     LiveConfig,
@@ -48,8 +49,11 @@ from uapplace.controller.configstate import (
     report_topology,
 )
 from uapplace.controller.door import EnforcementDoor
+from uapplace.controller.drift import DriftWatch
 from uapplace.controller.dropins import ManagerReload, no_manager_to_reload
 from uapplace.controller.holds import BusHold, HoldTable
+from uapplace.controller.leases import ForwardLeases
+from uapplace.controller.misfiled import report_misfiled
 from uapplace.controller.pending import PendingPlanning
 from uapplace.controller.persist import (
     DEFAULT_DEBOUNCE_S,
@@ -73,7 +77,7 @@ from uapplace.core.admission import (
     return_freed_memory_soon,
 )
 from uapplace.core.alerts import AlertBoard, AlertKind, Severity
-from uapplace.core.errors import InvalidArgument, no_pending
+from uapplace.core.errors import Busy, InvalidArgument, no_pending
 from uapplace.core.model import (
     DEFAULT_CELLS,
     Decision,
@@ -102,6 +106,8 @@ DEFAULT_TICK_S = 5.0
 DEFAULT_SHUTDOWN_WAIT_S = 30.0
 DEADLINE_PASSED = "deadline_passed"
 """The reason of an ``AdmitBy`` answered after its caller's deadline (no entry, no id)."""
+FAILED = "failed"
+"""The ``Resolved`` outcome of an entry whose switch failed and could not be rolled back."""
 GONE = "gone"
 """The ``ResidentChanged`` state of a resident that is no longer loaded."""
 
@@ -128,14 +134,21 @@ class Controller:
         self._usage = UsageClocks(self.mark_dirty)
         self._cooldowns = Cooldowns(self.mark_dirty)
         self._holds = HoldTable()
+        self._leases = ForwardLeases()
+        self._held_resolved: list[tuple[str, str]] | None = None
+        """While a run resolves (:meth:`durable_resolutions`): the ``Resolved`` to announce
+        once the ledger without those entries is on disk."""
         self._counters = DaemonCounters()
         self._alerts = AlertDesk(
             clock, self._counters, self._events, collaborators.notifier, self.spawn, self.mark_dirty
         )
         self._reserve = ReserveWatch(self._alerts.board)
+        self._drift = DriftWatch(self._alerts.board)
         self._rails = RailsCache()
         self._reload_error: ConfigFileError | None = None
-        self._enforcement = EnforcementDoor(self.flush, self.live_pending_entry, self.model_named)
+        self._enforcement = EnforcementDoor(
+            self.flush, self.live_pending_entry, self.model_named, self.mark_failed
+        )
         self._clock = clock
         self._tick_s = tick_s
         self._writer = LedgerWriter(
@@ -144,6 +157,7 @@ class Controller:
             lambda: self._config.state.probe,
             debounce_s=debounce_s,
             usage_flush_s=usage_flush_s,
+            alerts=self._alerts.board,
         )
         self._usage_keys: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -271,6 +285,7 @@ class Controller:
         self._counters.admit(decision.decision, decision.reason)
         if decision.decision == "forward":
             self._usage.touch(self.model_key(model), now)
+            self._leases.granted(decision.target_id)
         elif entry is not None:
             asyncio.get_running_loop().call_soon(self._after_park, entry)
         return decision
@@ -340,6 +355,11 @@ class Controller:
     def holders_for(self, resident: Resident) -> list[Holder]:
         """The bus holds on ``resident``."""
         return self._holds.holders_for(resident)
+
+    def forward_age(self, target_id: str) -> float | None:
+        """Seconds since admission last answered ``forward`` to ``target_id`` (the drain's
+        forward lease, :mod:`uapplace.controller.leases`); ``None``: never."""
+        return self._leases.age(target_id)
 
     def residents_with_holders(
         self, inflight: Mapping[str, Sequence[Holder]] | None
@@ -488,9 +508,21 @@ class Controller:
     # ------------------------------------------------------------------ writes: pending
 
     def dismiss(self, placement_id: str) -> bool:
-        if not self.resolve_pending_id(placement_id, "dismissed"):
+        """Resolve the entry ``dismissed``; its client's retries are ``refused`` for a
+        while, not parked and prompted again (core/admission.py, "Clean fallbacks")."""
+        entry = self._admission.get(placement_id)
+        if entry is None:
             raise no_pending(placement_id)
+        self._enforcement.refuse_dismiss_while_applied(placement_id)
+        self.resolve_pending(entry, "dismissed")
+        self._admission.refuse(entry, self._clock())
         return True
+
+    def mark_failed(self, placement_id: str) -> None:
+        """The switch approved for this entry failed or was refused: the entry stays,
+        reason ``failed`` (its client's retries say so; issue 21)."""
+        if self._admission.mark_failed(placement_id) is not None:
+            self.mark_dirty()
 
     def resolve_pending(
         self, entry: PendingEntry, outcome: str, already_removed: bool = False
@@ -498,10 +530,40 @@ class Controller:
         """Drop a pending entry and say so (``Resolved``, notifier, ledger)."""
         if not already_removed:
             self._admission.remove(entry.id)
-        self._events.on_resolved(entry.id, outcome)
-        self._events.on_pending_count(self.pending_count)
-        self.spawn(self._collaborators.notifier.resolved(entry.id, outcome), f"resolved-{entry.id}")
+            if outcome == FAILED:  # an incomplete rollback: retries say so, not a new prompt
+                self._admission.refuse(entry, self._clock(), ParkReason.FAILED)
         self.mark_dirty()
+        if self._held_resolved is not None:
+            self._held_resolved.append((entry.id, outcome))
+            return
+        self._announce_resolved(entry.id, outcome)
+
+    def _announce_resolved(self, placement_id: str, outcome: str) -> None:
+        self._events.on_resolved(placement_id, outcome)
+        self._events.on_pending_count(self.pending_count)
+        self.spawn(
+            self._collaborators.notifier.resolved(placement_id, outcome), f"resolved-{placement_id}"
+        )
+
+    @contextlib.asynccontextmanager
+    async def durable_resolutions(self) -> AsyncIterator[None]:
+        """Entries resolved inside (synchronously) are announced only once the ledger
+        without them is on disk: a crash right after a run's ``resolve`` then leaves either
+        the entry in the ledger and no ``Resolved`` sent (the start-up repair sends the one),
+        or neither, never two ``Resolved`` for one placement (issue 20)."""
+        held: list[tuple[str, str]] = []
+        self._held_resolved = held
+        try:
+            yield
+        finally:
+            self._held_resolved = None
+            if held:
+                try:
+                    await self.flush()
+                except Exception as err:  # announce anyway: the clients are waiting
+                    log.warning("could not write the ledger before announcing: %s", err)
+            for placement_id, outcome in held:
+                self._announce_resolved(placement_id, outcome)
 
     def resolve_pending_id(self, placement_id: str, outcome: str) -> bool:
         """Resolve entry ``placement_id`` (if still there) with ``outcome``."""
@@ -517,6 +579,10 @@ class Controller:
         for entry in entries:
             self.resolve_pending(entry, outcome)
         return [e.id for e in entries]
+
+    def set_auto_loading(self, models: frozenset[str]) -> None:
+        """The auto runner's scheduled runs changed (new parks of them say ``auto_loading``)."""
+        self._admission.set_auto_loading(models)
 
     def replace_pending(self, entry: PendingEntry) -> None:
         """Store a changed pending entry (options, reason, expiry) and persist it."""
@@ -546,7 +612,12 @@ class Controller:
             return False
         self._reload_error = None
         self._config.swap(state)
-        self._admission.set_registry(state.registry)
+        # A measurement taken under another ExecStart or engine build than the units and
+        # engines show now is unknown (docs/placement-rules.md §4.1.1; issue 21 item 3).
+        self._config.use_launch(await self._enforcement.live_launch(state.registry))
+        for problem, kept in files_not_taken(state):  # the last good one stays: say so
+            file_not_taken(self.alert_board, problem, kept)
+        self._admission.set_registry(self._config.registry())
         self._usage_keys.clear()
         self._refresh_footprints()
         # New figures, devices or configs change every pending entry's options (a park
@@ -578,6 +649,7 @@ class Controller:
             )
         if changed:
             self._set_residents(refreshed)
+        report_misfiled(self.registry, refreshed, self._alerts.board)
 
     # ------------------------------------------------------------------ holds
 
@@ -586,6 +658,11 @@ class Controller:
         key = self.model_named(model).key
         if not reason.strip():
             raise InvalidArgument("a hold needs a reason (shown to the operator next to the pin)")
+        self._enforcement.refuse_hold_while_drained(key)
+        if self._writer.refusing is not None:  # a hold grows the ledger (its holders)
+            raise Busy(
+                f"Hold: no new hold while the ledger cannot be written: {self._writer.refusing}"
+            )
         held = self._holds.take(key, reason, app_id, sender, self._clock())
         log.info("hold %d on %s by %s (%s): %s", held.cookie, key, app_id or "-", sender, reason)
         self._holds_changed()
@@ -683,13 +760,15 @@ class Controller:
 
     async def check_reserve(self) -> frozenset[str]:
         """A fresh probe against the reserves: the host below its reserve raises one
-        ``below_reserve`` alert per crossing (:mod:`uapplace.controller.reserve`); the
-        devices below now."""
+        ``below_reserve`` alert per crossing (:mod:`uapplace.controller.reserve`), a GPU
+        whose memory in use drifted from its residents' footprints one
+        ``footprint_drift`` (:mod:`uapplace.controller.drift`); the devices below now."""
         try:
             readings = await self.read_devices()
         except Exception as err:  # the probe failing must not end the tick
             log.warning("reserve check: cannot read the devices: %s", err)
             return self._reserve.below
+        self._drift.check(self.registry, self._residents, readings, self._clock())
         return self._reserve.check(self.registry, self._residents, readings)
 
     def expire(self) -> list[PendingEntry]:
@@ -698,6 +777,8 @@ class Controller:
         gone = self._admission.expire(now)
         for entry in gone:
             self.resolve_pending(entry, "expired", already_removed=True)
+            self._admission.refuse(entry, now)
+        self._admission.forget_refusals(now)
         if len(gone) >= TRIM_AFTER_EXPIRED:  # after a flood: let RSS come back down
             self.spawn(return_freed_memory_soon(), "return-freed-memory")
         self._cooldowns.lapse(now)

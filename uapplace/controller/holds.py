@@ -4,6 +4,12 @@ in-flight requests, both as :class:`~uapplace.core.model.Holder` lists.
 :class:`HoldTable` is the controller's (its one owner); the enforcer and the planner see
 holds only through ``Controller.holders_for``. :class:`ProxyHolders` is the daemon's
 :class:`~uapplace.controller.ports.InflightSource`, built by ``wiring.build``.
+
+Holds are bounded (docs/bus-api.md, "Bounds"): at most :data:`MAX_HOLDS` in all and
+:data:`MAX_HOLDS_PER_CLIENT` per bus connection and per app id, so no caller can grow the
+daemon's memory, every ``GetState`` and the ledger without end (issue 20: 300 holds took
+the daemon to 2.48 GB). The reason and app id are capped by the bus edge
+(``MAX_REASON_CHARS``).
 """
 
 from __future__ import annotations
@@ -13,13 +19,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from uapplace.core.errors import NotAuthorized, NotFound
+from uapplace.core.errors import Busy, NotAuthorized, NotFound
 from uapplace.core.model import Holder, Resident, iso
 from uapplace.io.engines import ProxyClient
 
 log = logging.getLogger(__name__)
 
 MAX_COOKIE = 0xFFFFFFFF
+MAX_HOLDS = 256
+"""Bus holds in all: far more pins than any machine has models."""
+MAX_HOLDS_PER_CLIENT = 32
+"""Bus holds per bus connection and per app id (a client pins what it uses, a few models)."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +85,32 @@ class HoldTable(Mapping[int, BusHold]):
         return len(self._holds)
 
     def take(self, model: str, reason: str, app_id: str, sender: str, since: float) -> BusHold:
+        """A new hold; ``Busy`` naming the cap when it would exceed one (nothing taken)."""
+        self._check_room(app_id, sender)
         cookie = self._next_cookie
         self._next_cookie = cookie % MAX_COOKIE + 1
         held = BusHold(cookie, model, reason, app_id, sender, since)
         self._holds[cookie] = held
         return held
+
+    def _check_room(self, app_id: str, sender: str) -> None:
+        if len(self._holds) >= MAX_HOLDS:
+            raise Busy(
+                f"Hold: {len(self._holds):,} holds are taken, the {MAX_HOLDS:,} uapplaced keeps "
+                "at most; release one first (holds are listed in GetState)"
+            )
+        by_sender = sum(1 for h in self._holds.values() if h.sender == sender)
+        if sender and by_sender >= MAX_HOLDS_PER_CLIENT:
+            raise Busy(
+                f"Hold: bus connection {sender} has {by_sender:,} holds, the "
+                f"{MAX_HOLDS_PER_CLIENT:,} one connection may take; release one first"
+            )
+        by_app = sum(1 for h in self._holds.values() if h.app_id == app_id)
+        if app_id and by_app >= MAX_HOLDS_PER_CLIENT:
+            raise Busy(
+                f"Hold: app_id {app_id[:64]!r} has {by_app:,} holds, the "
+                f"{MAX_HOLDS_PER_CLIENT:,} one app id may take; release one first"
+            )
 
     def existing(self, cookie: int) -> BusHold:
         """The hold ``cookie`` (``NotFound`` when there is none)."""

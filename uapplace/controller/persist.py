@@ -5,6 +5,12 @@ Changes mark the writer dirty; one task coalesces bursts (``debounce_s``, or
 (``Ledger.update``). Shutdown flushes synchronously. While the daemon runs it is the
 ledger's only writer. Owned by :class:`uapplace.controller.controller.Controller`, which hands it
 a snapshot function (the document, captured on the loop) and the device probe.
+
+A write the ledger refuses because the file would outgrow the cap it is read back with
+(:class:`~uapplace.files.ledger.LedgerTooLarge`) is not retried in a loop: the file on
+disk stays the last one that fit, one critical ``config_error`` alert says so (raised once
+per run of refusals, since the alert itself changes the document), and the next change
+tries again.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from uapplace.files.ledger import Ledger, LedgerDoc
+from uapplace.core.alerts import AlertBoard, AlertKind, Severity
+from uapplace.files.ledger import Ledger, LedgerDoc, LedgerTooLarge
 from uapplace.io.devices import Probe
 
 log = logging.getLogger(__name__)
@@ -34,14 +41,22 @@ class LedgerWriter:
         *,
         debounce_s: float = DEFAULT_DEBOUNCE_S,
         usage_flush_s: float = DEFAULT_USAGE_FLUSH_S,
+        alerts: AlertBoard | None = None,
     ) -> None:
         self.ledger = ledger
+        self._alerts = alerts
+        self._refusing: str | None = None
         self._snapshot = snapshot
         self._probe = probe
         self._debounce_s = debounce_s
         self._usage_flush_s = usage_flush_s
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
+
+    @property
+    def refusing(self) -> str | None:
+        """Why the last write was refused for size (``None``: the last write landed)."""
+        return self._refusing
 
     def mark_dirty(self, urgent: bool = True) -> None:
         """Schedule a write: soon when ``urgent``, within ``usage_flush_s`` otherwise."""
@@ -50,12 +65,35 @@ class LedgerWriter:
             self._urgent.set()
 
     async def flush(self) -> None:
-        """Write the ledger now (in a thread)."""
-        await asyncio.to_thread(self.write, self._snapshot())
+        """Write the ledger now (in a thread); a write refused for size raises the alert."""
+        try:
+            await asyncio.to_thread(self.write, self._snapshot())
+        except LedgerTooLarge as err:
+            self._refused(err)
+        else:
+            self._refusing = None
 
     def flush_blocking(self) -> None:
         """Shutdown: write now, on the caller's thread."""
-        self.write(self._snapshot())
+        try:
+            self.write(self._snapshot())
+        except LedgerTooLarge as err:
+            log.error("ledger not written at shutdown: %s", err)
+
+    def _refused(self, err: LedgerTooLarge) -> None:
+        if self._refusing is not None:
+            return
+        self._refusing = str(err)
+        log.error("%s", err)
+        if self._alerts is not None:
+            self._alerts.raise_alert(
+                AlertKind.CONFIG_ERROR,
+                Severity.CRITICAL,
+                str(err.path),
+                f"{err}; changes since are kept in memory only until the state shrinks "
+                "(release holds, dismiss pending entries)",
+                {"size": err.size},
+            )
 
     async def run(self) -> None:
         """The write-behind loop (a task of the controller's)."""

@@ -23,7 +23,9 @@ from typing import Any, Protocol
 from uapplace.controller.configstate import LiveConfig
 from uapplace.controller.dropins import ManagerReload, UnitDropins, no_manager_to_reload
 from uapplace.core.alerts import Alert
-from uapplace.core.model import Holder, ParkReason, PendingEntry, Plan
+from uapplace.core.model import Holder, ParkReason, PendingEntry, Plan, Registry
+from uapplace.core.staleness import LiveLaunch
+from uapplace.io.seams import UnitControl
 
 ResidentRow = tuple[str, str, str, str]
 """``(model, config, device, state)``: one element of the ``Residents`` property."""
@@ -244,6 +246,22 @@ class Enforcement(Protocol):
 
     async def unload(self, model: str, expected: Signature) -> dict[str, Any]: ...
 
+    @property
+    def running(self) -> str | None:
+        """``"<run id> (<what>)"`` while a run is in progress, else ``None``."""
+        ...
+
+    @property
+    def applying(self) -> str | None:
+        """The placement id the run in progress resolves, else ``None``."""
+        ...
+
+    @property
+    def drained(self) -> frozenset[str]:
+        """The models whose residents the run in progress has drained and now stops or
+        pauses (a hold on them could no longer be honoured)."""
+        ...
+
     async def wait_idle(self) -> None:
         """Return once no enforcement runs (a running one finished or rolled back).
 
@@ -256,7 +274,13 @@ class Measurement(Protocol):
 
     async def measure(self, model: str, config: str) -> dict[str, Any]: ...
 
-    async def measure_envelope(self, model: str, config: str) -> dict[str, Any]: ...
+    async def measure_envelope(
+        self, model: str, config: str, expected: Signature
+    ) -> dict[str, Any]: ...
+
+    async def live_launch(self, registry: Registry) -> Mapping[str, LiveLaunch]:
+        """Unit → what it runs now (``uapplace.measure.launch.read_live_launch``)."""
+        ...
 
 
 class AutoScheduler(Protocol):
@@ -284,3 +308,5 @@ class EnforcementParts:
     enforcer: Enforcement
     measurer: Measurement
     auto_runner: AutoScheduler = field(default_factory=NoAutoRuns)
+    units: UnitControl | None = None
+    """The user manager's units, read by ``validate`` (a registry unit that does not exist)."""

@@ -11,15 +11,18 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from uapplace.controller.configstate import reload_findings
+from uapplace.controller.launchcheck import launch_findings
 from uapplace.controller.pending import pending_listing
 from uapplace.controller.reserve import device_rooms
 from uapplace.core.errors import NotFound
 from uapplace.core.model import DEFAULT_CELLS
 from uapplace.core.planner import plan_unload
+from uapplace.core.unitnames import unit_file_name
 from uapplace.files.capacity import Finding, has_errors, timeouts_findings
 from uapplace.files.capacity import validate as validate_capacity
 from uapplace.files.ledger import doc_to_json
 from uapplace.files.registry import provenance_rows
+from uapplace.files.registry_schema import json_path
 
 if TYPE_CHECKING:
     from uapplace.controller.controller import Controller
@@ -51,6 +54,7 @@ async def state_json(controller: Controller) -> dict[str, Any]:
         "repo": str(load.repo_path),
         "local": str(load.local_path) if load.local_path else None,
         "local_errors": [str(e) for e in load.errors],
+        "local_state": load.local_state,
         "reload_error": str(reload_error) if reload_error else None,
         "device_mismatches": [str(e) for e in load.device_mismatches],
         "capacity_policy": config.policy_state,
@@ -112,6 +116,7 @@ async def validate(controller: Controller) -> dict[str, Any]:
     findings.extend(validate_capacity(config.registry_load, config.policy))
     findings.extend(await asyncio.to_thread(timeouts_findings, config.paths.enforcement_timeouts))
     findings.extend(await live_findings(controller))
+    findings.extend(launch_findings(controller.config))
     return {
         "ok": not has_errors(findings),
         "errors": sum(1 for f in findings if f.severity == "error"),
@@ -141,4 +146,41 @@ async def live_findings(controller: Controller) -> list[Finding]:
         if warning is not None:
             path = f"$.models.{target.model}.rails"
             findings.append(Finding("warning", str(load.repo_path), path, warning))
+    findings.extend(await missing_units(controller))
+    return findings
+
+
+async def missing_units(controller: Controller) -> list[Finding]:
+    """Every registry unit the user manager does not know, an error at the entry naming
+    it (issue 21 item 8: the first sign was a refused preflight). Nothing is said
+    without a user manager (enforcement not attached): no unit can be read then."""
+    load = controller.config.state.registry_load
+    named: dict[str, tuple[str, str]] = {}
+    for model in load.registry.models.values():
+        for config in model.configs.values():
+            unit = model.unit_for(config)
+            if not unit:
+                continue
+            where = ("configs", config.key, "unit") if config.unit else ("unit",)
+            model_origin = load.model_provenance.get(model.key, {}).get("unit", "repo")
+            origin = config.provenance if config.unit else model_origin
+            path = json_path(("models", model.key, *where))
+            named.setdefault(unit_file_name(unit), (str(load.file_for(origin)), path))
+    states = await controller.enforcement.unit_states(named)
+    if states is None:
+        return []
+    findings = []
+    for unit, (file, path) in named.items():
+        state = states.get(unit)
+        if state is not None and state.load_state == "not-found":
+            why = f" ({state.load_error})" if state.load_error else ""
+            findings.append(
+                Finding(
+                    "error",
+                    file,
+                    path,
+                    f"unit {unit} does not exist: systemd's LoadState is 'not-found'{why}; "
+                    "install its unit file in the user unit directory, then daemon-reload",
+                )
+            )
     return findings

@@ -14,12 +14,19 @@ Decision table, in order:
 condition                                              answer
 =====================================================  ===================================
 empty model id (a bus caller; the shim answers 400)    park ``invalid_request``, no entry
-a ``hot`` resident that serves the id                 forward ``<device>:<endpoint>``
+a ``hot`` resident that serves the id (and whose      forward ``<device>:<endpoint>``
+config's ``per_session_cap_cells`` holds the request's
+``cells``, when the request carries them)
 id over 1,024 characters the registry does not name    park ``invalid_request``, no entry
 a live pending entry for ``(client, model)``           park, same id, the entry's reason
                                                        (``warming`` while only a warming
-                                                       resident serves the id)
+                                                       resident serves the id; ``failed``
+                                                       after its switch failed)
+an entry for ``(client, model)`` dismissed or expired  park ``refused``, that entry's id,
+within ``REFUSED_WINDOW_S`` (or expired, not yet       no new entry (no new prompt)
+swept)
 only a ``warming`` resident serves the id              park ``warming``
+only a ``paused`` resident serves the id               park ``paused``
 id not in the registry                                 park ``unknown_model``
 no measured config it could load                       park ``no_measured_config``
 otherwise                                              park ``not_resident``
@@ -34,8 +41,19 @@ only by a verify-up that passed in this daemon's life (health 200, the id in
 ledger, found running at start-up or started by hand, or serving a wrong id) is
 never forwarded to: an admit for an id only a warming resident serves parks with
 reason ``warming`` (the proxy's retry forwards once it is published). A
-``paused`` resident has its weights offloaded, so it parks ``not_resident`` like
-any unloaded model; a ``draining`` one refuses new work.
+``paused`` resident has its weights offloaded: an id only it serves parks ``paused``
+(a ``wake`` option brings it back); a ``draining`` one refuses new work.
+
+**Clean fallbacks** (issue 21). A client whose request the operator dismissed, or that
+expired unanswered, gets ``refused`` with that entry's id on its retries for
+``REFUSED_WINDOW_S``: the proxy answers it with a 409 naming the refused placement, and
+nobody is prompted again (before, the retry parked under a new id and prompted again). The
+controller records the refusal (:meth:`Admission.refuse`) when it resolves the entry; at
+most ``MAX_REFUSED`` are kept, oldest forgotten first, in memory only (a restarted daemon
+has forgotten them: the retry parks afresh). An entry whose approved switch failed
+stays pending with reason ``failed`` (:meth:`Admission.mark_failed`), so the client can
+tell "failed" from "waiting" and the operator can pick another option; one resolved
+``failed`` (an incomplete rollback) answers ``failed`` for the window, like a refusal.
 
 **Bounded state.** Every admit that parks a new ``(client, model)`` pair creates an
 entry, so a flood of distinct pairs must not grow memory (or the ledger) without end:
@@ -57,6 +75,14 @@ entry, so a flood of distinct pairs must not grow memory (or the ledger) without
   it cannot grow state, and the other clients' entries survive a single client's flood.
 - Expired, resolved and pushed-out entries leave every index (:meth:`_drop`), so the
   memory is released, not just hidden.
+
+**Context fits** (issue 21 item 8). A request that carries ``cells`` (docs/http-contract.md
+§1) is forwarded only to a resident whose config's ``per_session_cap_cells`` (the context
+one session gets, as measured) is at least that; a resident with no recorded cap takes
+any. When no serving resident fits, the admit parks like an unloaded model (the planner
+then offers configs that fit). A request without ``cells`` is forwarded as before; so is
+one asking exactly ``DEFAULT_CELLS`` (32,768), the figure the contract and the shim put in
+for a missing ``cells``, so it cannot be told from one.
 
 An id is served when it is the resident's model key, its config key or one of
 its model's advertised ids. "No measured config" looks at the config a config
@@ -94,6 +120,10 @@ MAX_MODEL_ID_CHARS = 1024
 (the shim answers 400 for them, as for a missing id)."""
 MAX_PENDING_PER_CLIENT = 32
 MAX_PENDING = 1024
+REFUSED_WINDOW_S = 60.0
+"""How long a dismissed or expired entry's client is answered ``refused`` (no new prompt)."""
+MAX_REFUSED = MAX_PENDING
+"""Refusals kept at once; a flood of distinct pairs forgets the oldest first."""
 PLACEMENT_ID = re.compile(r"^plc-[0-9a-f]{6}$")
 _ID_ATTEMPTS = 64
 _SERVING_STATES = frozenset({ResidentState.HOT})
@@ -168,9 +198,24 @@ class Admission:
         self._residents: tuple[Resident, ...] = ()
         self._park_reasons: dict[str, ParkReason] = {}
         """Why each registry id parks when nothing serves it, precomputed."""
+        self._model_keys: dict[str, str] = {}
+        """Each registry id → the key of the model it names."""
+        self._auto_loading: frozenset[str] = frozenset()
+        """Model keys an unattended load is scheduled for (:meth:`set_auto_loading`)."""
         self._serving: dict[str, Resident] = {}
+        self._forwards: dict[str, Decision] = {}
+        """``_serving``'s answers, built once per index: a forward allocates nothing."""
+        self._serving_all: dict[str, tuple[Resident, ...]] = {}
+        """Every ``hot`` resident serving each id, device order (the context check)."""
+        self._cap_cells: dict[tuple[str, str], int] = {}
+        """``(model, config)`` of a resident → its measured ``per_session_cap_cells``."""
         self._warming: frozenset[str] = frozenset()
         """Ids that only a ``warming`` resident serves: they park ``warming``."""
+        self._paused: frozenset[str] = frozenset()
+        """Ids that only a ``paused`` resident serves: they park ``paused``."""
+        self._refused: dict[tuple[str, str], tuple[str, float, ParkReason]] = {}
+        """``(client, model)`` → (the dismissed, expired or failed entry's id, refused
+        until, the reason answered); oldest first."""
         self._pending: dict[str, PendingEntry] = {}
         """Insertion order is creation order (a replace keeps the slot): oldest first."""
         self._by_key: dict[tuple[str, str], str] = {}
@@ -208,39 +253,72 @@ class Admission:
         # Same precedence as Registry.resolve: a model key wins, then the first
         # model (in order) advertising the id or owning the config key.
         reasons: dict[str, ParkReason] = {}
+        keys: dict[str, str] = {}
         for model in self._registry.models.values():
             for advertised in model.advertises:
                 reasons.setdefault(advertised, _loadable(model.configs.values()))
+                keys.setdefault(advertised, model.key)
             for config in model.configs.values():
                 reasons.setdefault(config.key, _loadable((config,)))
+                keys.setdefault(config.key, model.key)
         for model in self._registry.models.values():
             reasons[model.key] = _loadable(model.configs.values())
+            keys[model.key] = model.key
         self._park_reasons = reasons
+        self._model_keys = keys
+
+    def set_auto_loading(self, models: frozenset[str]) -> None:
+        """The model keys an unattended load is scheduled for: a new park of one of them
+        answers ``auto_loading`` at once (the auto runner joins it to the run), not
+        ``not_resident`` first (issue 21 item 8)."""
+        self._auto_loading = models
 
     def _index_residents(self) -> None:
         serving: dict[str, Resident] = {}
+        serving_all: dict[str, list[Resident]] = {}
         warming: set[str] = set()
+        paused: set[str] = set()
+        caps: dict[tuple[str, str], int] = {}
         for resident in sorted(self._residents, key=lambda r: r.device):
             ids = served_ids(self._registry, resident)
             if can_serve(resident):
+                cap = _cap_cells(self._registry, resident)
+                if cap is not None:
+                    caps[(resident.model, resident.config)] = cap
                 for model_id in ids:
                     serving.setdefault(model_id, resident)
+                    serving_all.setdefault(model_id, []).append(resident)
             elif resident.state is ResidentState.WARMING:
                 warming.update(ids)
+            elif resident.state is ResidentState.PAUSED:
+                paused.update(ids)
         self._serving = serving
+        self._forwards = {m: _forward(r) for m, r in serving.items()}
+        self._serving_all = {k: tuple(v) for k, v in serving_all.items()}
+        self._cap_cells = caps
         self._warming = frozenset(warming - serving.keys())
-        self._refresh_warming_reasons()
+        self._paused = frozenset(paused - serving.keys() - warming)
+        self._refresh_state_reasons()
 
-    def _refresh_warming_reasons(self) -> None:
-        """Pending entries say ``warming`` exactly while only a warming resident serves
-        their id (``not_resident`` again when it goes away unpublished)."""
+    def _state_reason(self, model: str) -> ParkReason | None:
+        """``warming`` or ``paused`` while only such a resident serves ``model``."""
+        if model in self._warming:
+            return ParkReason.WARMING
+        if model in self._paused:
+            return ParkReason.PAUSED
+        return None
+
+    def _refresh_state_reasons(self) -> None:
+        """Pending entries say ``warming`` (``paused``) exactly while only a warming
+        (paused) resident serves their id (``not_resident`` again when it goes away)."""
         for entry in list(self._pending.values()):
             requested = entry.requested_model
-            if entry.reason is ParkReason.WARMING and requested not in self._warming:
-                fallback = self._park_reasons.get(requested, ParkReason.UNKNOWN_MODEL)
+            wanted = self._state_reason(requested)
+            if entry.reason in _STATE_REASONS and entry.reason is not wanted:
+                fallback = wanted or self._park_reasons.get(requested, ParkReason.UNKNOWN_MODEL)
                 self._pending[entry.id] = replace(entry, reason=fallback)
-            elif entry.reason is ParkReason.NOT_RESIDENT and requested in self._warming:
-                self._pending[entry.id] = replace(entry, reason=ParkReason.WARMING)
+            elif entry.reason is ParkReason.NOT_RESIDENT and wanted is not None:
+                self._pending[entry.id] = replace(entry, reason=wanted)
 
     # ----------------------------------------------------------------- the decision
 
@@ -250,18 +328,27 @@ class Admission:
         """Forward or park one admit. The second item is the entry this call created."""
         if not model or not model.strip():
             return Decision("park", reason=ParkReason.INVALID_REQUEST.value), None
-        resident = self._serving.get(model)
-        if resident is not None:
-            return Decision("forward", target_id=resident.target_id), None
+        forward = self._forwards.get(model)
+        if forward is not None:
+            if not (self._cap_cells and _stated(cells)):
+                return forward, None
+            fitting = self._fitting(model, cells or DEFAULT_CELLS)
+            if fitting is not None:
+                return _forward(fitting), None
         if self._too_long(model):
             return Decision("park", reason=ParkReason.INVALID_REQUEST.value), None
         client = client[:MAX_IDENTITY_CHARS]
         known = self._live_entry(client, model, now)
         if known is not None:
+            if known.expired(now):  # the tick resolves it ``expired`` (and refuses then)
+                return _refused(known.id), None
             if model in self._warming and known.reason is not ParkReason.WARMING:
                 known = replace(known, reason=ParkReason.WARMING)
                 self._pending[known.id] = known
             return _park(known), None
+        refused = self._refusal(client, model, now)
+        if refused is not None:
+            return refused, None
         entry = PendingEntry(
             id=self._fresh_id(),
             requested_model=model,
@@ -269,7 +356,7 @@ class Admission:
             session=session[:MAX_IDENTITY_CHARS] if session is not None else None,
             created_at=now,
             expires_at=now + self._ttl,
-            reason=self._park_reason(model),
+            reason=self._new_park_reason(model),
             cells=cells if cells is not None and cells > 0 else DEFAULT_CELLS,
         )
         self._evicted.extend(self._make_room(client))
@@ -289,6 +376,14 @@ class Admission:
             gone += [dropped] if dropped is not None else []
         return gone
 
+    def _fitting(self, model: str, cells: int) -> Resident | None:
+        """The first resident serving ``model`` whose context holds ``cells``."""
+        for resident in self._serving_all.get(model, ()):
+            cap = self._cap_cells.get((resident.model, resident.config))
+            if cap is None or cells <= cap:
+                return resident
+        return None
+
     def take_evicted(self) -> list[PendingEntry]:
         """The entries the caps pushed out since the last call (the caller says ``expired``)."""
         gone, self._evicted = self._evicted, []
@@ -297,20 +392,66 @@ class Admission:
     def _too_long(self, model: str) -> bool:
         return len(model) > MAX_MODEL_ID_CHARS and model not in self._park_reasons
 
+    def _new_park_reason(self, model: str) -> ParkReason:
+        reason = self._park_reason(model)
+        if (
+            reason in _AUTO_JOINABLE
+            and self._auto_loading
+            and self._model_keys.get(model) in self._auto_loading
+        ):
+            return ParkReason.AUTO_LOADING
+        return reason
+
     def _park_reason(self, model: str) -> ParkReason:
-        if model in self._warming:
-            return ParkReason.WARMING
-        return self._park_reasons.get(model, ParkReason.UNKNOWN_MODEL)
+        return self._state_reason(model) or self._park_reasons.get(model, ParkReason.UNKNOWN_MODEL)
 
     def _live_entry(self, client: str, model: str, now: float) -> PendingEntry | None:
+        """The entry for ``(client, model)``, expired or not: an expired one stays until
+        the controller's tick resolves it ``expired`` (and records the refusal)."""
         entry_id = self._by_key.get((client, model))
-        if entry_id is None:
+        return self._pending[entry_id] if entry_id is not None else None
+
+    # ----------------------------------------------------------------- refusals
+
+    def refuse(
+        self, entry: PendingEntry, now: float, reason: ParkReason = ParkReason.REFUSED
+    ) -> None:
+        """``entry`` was dismissed or expired unanswered (``refused``), or resolved after a
+        switch that failed (``failed``): its client's retries for the same id are answered
+        ``reason`` with its id for ``REFUSED_WINDOW_S`` (no new entry)."""
+        key = (entry.client, entry.requested_model)
+        self._refused.pop(key, None)  # re-inserted last: the dict stays oldest first
+        self._refused[key] = (entry.id, now + REFUSED_WINDOW_S, reason)
+        while len(self._refused) > MAX_REFUSED:
+            del self._refused[next(iter(self._refused))]
+
+    def _refusal(self, client: str, model: str, now: float) -> Decision | None:
+        found = self._refused.get((client, model))
+        if found is None:
             return None
-        entry = self._pending[entry_id]
-        if entry.expired(now):
-            self._drop(entry_id)
+        placement_id, until, reason = found
+        if until <= now:
+            del self._refused[(client, model)]
             return None
-        return entry
+        return Decision("park", placement_id=placement_id, reason=reason.value)
+
+    def forget_refusals(self, now: float) -> None:
+        """Drop the refusals whose window has passed (the controller's tick)."""
+        self._refused = {k: v for k, v in self._refused.items() if v[1] > now}
+
+    @property
+    def refused_count(self) -> int:
+        return len(self._refused)
+
+    def mark_failed(self, placement_id: str) -> PendingEntry | None:
+        """The switch approved for this entry failed or was refused: it stays pending,
+        reason ``failed``; the entry now, or ``None`` when it is gone."""
+        entry = self._pending.get(placement_id)
+        if entry is None:
+            return None
+        failed = replace(entry, reason=ParkReason.FAILED)
+        self._pending[placement_id] = failed
+        return failed
 
     def _fresh_id(self) -> str:
         for _ in range(_ID_ATTEMPTS):
@@ -436,10 +577,28 @@ def check_option_index(placement_id: str, option: int, count: int) -> None:
         )
 
 
+_AUTO_JOINABLE = frozenset({ParkReason.NOT_RESIDENT, ParkReason.PAUSED})
+"""Reasons a new park trades for ``auto_loading`` while its model's unattended load runs."""
+
+_STATE_REASONS = frozenset({ParkReason.WARMING, ParkReason.PAUSED})
+"""Park reasons that follow a resident's state, recomputed when the residents change."""
+
 _REGISTRY_REASONS = frozenset(
     {ParkReason.UNKNOWN_MODEL, ParkReason.NO_MEASURED_CONFIG, ParkReason.NOT_RESIDENT}
 )
 """Park reasons that only restate the registry, recomputed when it changes."""
+
+
+def _stated(cells: int | None) -> bool:
+    """The request said how much context it needs (not the contract's stand-in)."""
+    return cells is not None and cells > 0 and cells != DEFAULT_CELLS
+
+
+def _cap_cells(registry: Registry, resident: Resident) -> int | None:
+    """The measured context one session of ``resident`` gets, if recorded."""
+    model = registry.models.get(resident.model)
+    config = model.configs.get(resident.config) if model is not None else None
+    return config.per_session_cap_cells if config is not None else None
 
 
 def _loadable(configs: Iterable[Config]) -> ParkReason:
@@ -448,8 +607,16 @@ def _loadable(configs: Iterable[Config]) -> ParkReason:
     return ParkReason.NO_MEASURED_CONFIG
 
 
+def _forward(resident: Resident) -> Decision:
+    return Decision("forward", target_id=resident.target_id)
+
+
 def _park(entry: PendingEntry) -> Decision:
     return Decision("park", placement_id=entry.id, reason=entry.reason.value)
+
+
+def _refused(placement_id: str) -> Decision:
+    return Decision("park", placement_id=placement_id, reason=ParkReason.REFUSED.value)
 
 
 def _truncated(entry: PendingEntry) -> PendingEntry:

@@ -56,6 +56,18 @@ class AlertKind(StrEnum):
     FORCED_STOP = "forced_stop"
     """A unit a run stopped ignored SIGTERM and was SIGKILLed after its stop timeout:
     in-flight work may have been cut (docs/placement-rules.md §4.6, "Forced stops")."""
+    NOT_SERVING = "not_serving"
+    """A ``hot`` resident's engine was seen asleep (not waking on a request), gone or
+    serving another id and was unpublished; ``info`` once it serves again
+    (docs/placement-rules.md §4.2, "Serving is re-checked")."""
+
+    FOOTPRINT_DRIFT = "footprint_drift"
+    """A GPU's memory in use, as the probe reads it, differs from what its residents'
+    measured footprints account for, beyond its reserve and a tolerance, for a minute
+    (:mod:`uapplace.controller.drift`)."""
+    MISFILED = "misfiled"
+    """A resident is listed on another device than its config's measurement says it runs
+    on (``measured_on``), and was not moved there (:mod:`uapplace.controller.misfiled`)."""
 
 
 class Severity(StrEnum):
@@ -145,6 +157,22 @@ class AlertBoard:
         if self._on_raised is not None:
             self._on_raised(alert)
         return alert
+
+    def raise_unless_open(
+        self,
+        kind: AlertKind,
+        severity: Severity,
+        subject: str,
+        message: str,
+        detail: Mapping[str, Any] | None = None,
+    ) -> Alert:
+        """:meth:`raise_alert`, unless the same alert (kind, subject and message) is open:
+        a problem two paths report (a reload, then SIGHUP's own check) is one raise and
+        one notification."""
+        for alert in self._alerts.values():
+            if alert.key == (kind.value, subject) and alert.message == message:
+                return alert
+        return self.raise_alert(kind, severity, subject, message, detail)
 
     def acknowledge(self, ids: Iterable[str]) -> list[str]:
         """Drop the named alerts (all of them when ``ids`` is empty); returns the ids dropped."""

@@ -154,6 +154,11 @@ class Config:
     """The device its figures were measured on (docs/placement-rules.md §4.1, ``measured_on``)."""
     engine_build: str | None = None
     """The engine build the figures were taken with, where ``measure`` recorded one."""
+    exec_start_sha256: str | None = None
+    """SHA-256 of the unit's live ``ExecStart`` when measured (:mod:`uapplace.core.staleness`)."""
+    measured_build: str | None = None
+    """The build the engine itself reported when measured (llama.cpp ``/props``
+    ``build_info``, vLLM ``/version``), compared with what it reports now."""
     untrusted: str = ""
     """Why the figures do not count on this machine (repo-only, another device or build);
     empty when they do. Set by the registry loader, never by hand."""
@@ -382,6 +387,14 @@ class ParkReason(StrEnum):
     INVALID_REQUEST = "invalid_request"
     WARMING = "warming"
     """A resident serves the id but has not passed verify-up in this daemon's life yet."""
+    PAUSED = "paused"
+    """Only a ``paused`` resident (weights offloaded) serves the id: a ``wake`` brings it back."""
+    FAILED = "failed"
+    """The switch approved for this entry failed (rolled back) or was refused before
+    anything stopped: the entry stays for another option (issue 21)."""
+    REFUSED = "refused"
+    """This client's entry for the id was dismissed or expired unanswered within the
+    refusal window: the retry gets that entry's id and no new prompt (issue 21)."""
 
 
 # --------------------------------------------------------------------------- planner
@@ -547,9 +560,11 @@ class Option:
             "cost_mib": round(self.cost_mib, 3),
             "host_mib": round(self.host_mib, 3),
         }
+        # Every kind carries its signature (issue 20; ``[]`` when nothing stops): the
+        # ``expected`` an Apply or Load of this option sends.
+        out["signature"] = list(self.signature)
         if self.kind in (OptionKind.DISPLACE, OptionKind.WAKE):
             out["victims"] = [v.to_json() for v in self.victims]
-            out["signature"] = list(self.signature)
             out["frees_mib"] = round(self.frees_mib, 3)
             out["frees_host_mib"] = round(self.frees_host_mib, 3)
         if self.kind is not OptionKind.REUSE:

@@ -63,3 +63,13 @@ if set(get_args(JournaledStep)) != {
     *ROLLBACK_STEPS,
 }:  # pragma: no cover - a step renamed on one side only
     raise ImportError("JournaledStep and the step names above disagree")
+
+
+def split_last_lines(text: str) -> tuple[str, str]:
+    """``(first line, the rest)`` of a step's detail that carries a unit's last lines
+    (:meth:`uapplace.io.unitlogs.LogTail.appended_to` makes it): the rest is "" or the
+    block of lines, starting with its newline (the first line then loses the ``:`` that
+    introduced it). Whoever adds words after a step's detail puts them on the first line
+    and the block last."""
+    head, newline, rest = text.partition("\n")
+    return (head.removesuffix(":") if newline else head), newline + rest

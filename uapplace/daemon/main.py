@@ -49,6 +49,7 @@ from dbus_fast.constants import NameFlag, RequestNameReply
 from uapplace import __version__
 from uapplace.bus import connection as busio
 from uapplace.bus.util import user_bus_address
+from uapplace.controller.alertdesk import file_not_taken, files_not_taken
 from uapplace.controller.configstate import ConfigState
 from uapplace.core.alerts import AlertBoard, AlertKind, Severity
 from uapplace.daemon.wiring import Assembly, build, name_has_owner
@@ -191,33 +192,25 @@ class Daemon:
         await assembly.reload()
         enforcer = assembly.stack.enforcer if assembly.stack is not None else None
         board = assembly.controller.alert_board
-        await reload_timeouts(self.paths.enforcement_timeouts, enforcer, board)
+        timeouts = await reload_timeouts(self.paths.enforcement_timeouts, enforcer, board)
+        if timeouts is not None and assembly.stack is not None:
+            assembly.stack.sync.sleep_watch.use_period(timeouts.serving_check_s)
         await report_config_problems(assembly.controller.config.state, self.paths, board)
 
 
 async def report_config_problems(state: ConfigState, paths: Paths, alerts: AlertBoard) -> int:
     """A ``config_error`` alert per file uapplaced could not take (at start and after each
-    SIGHUP): the machine-local registry (repo figures in force), the capacity policy (the
-    last good one, or none: verify-up refuses) and an untrusted auto policy (auto off).
+    SIGHUP): the machine-local registry (its last good version, or the repo figures, in
+    force), the capacity policy (the last good one, or none: verify-up refuses) and an
+    untrusted auto policy (auto off).
     A broken repo registry and ledger raise their own. Returns how many it raised."""
-    taken: list[tuple[ConfigFileError, str]] = [
-        (err, "it is ignored whole: its measurements do not count until it is fixed")
-        for err in state.registry_load.errors[:1]
-    ]
-    if state.policy_error is not None:
-        kept = "the last good policy stays" if state.policy is not None else "verify-up refuses"
-        taken.append((state.policy_error, kept))
+    taken = files_not_taken(state)
     try:
         await asyncio.to_thread(check_trusted, paths.auto_policy)
     except ConfigFileError as untrusted:
         taken.append((untrusted, "auto is off: it is never honoured as standing consent"))
     for problem, kept in taken:
-        alerts.raise_alert(
-            AlertKind.CONFIG_ERROR,
-            Severity.WARNING,
-            str(problem.file),
-            f"{problem.file} was not taken ({problem.json_path}: {problem.message}); {kept}",
-        )
+        file_not_taken(alerts, problem, kept)  # once: a reload may have raised it already
     return len(taken)
 
 

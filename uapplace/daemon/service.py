@@ -335,6 +335,8 @@ class PlacementInterface(ServiceInterface):
     async def WriteUnits(self) -> StringList:
         async def run() -> list[str]:
             await self._authorize(Action.WRITE_UNITS)
+            # Drop-ins and a manager reload under the units a running switch stops and starts.
+            self._controller.enforcement.refuse_while_running("WriteUnits")
             return await self._unit_writer.write_units()
 
         return await self._guard(run())
@@ -355,14 +357,20 @@ class PlacementInterface(ServiceInterface):
         return to_json_text(await self._guard(run()))
 
     @dbus_method()
-    async def MeasureEnvelope(self, model: DBusStr, config: DBusStr) -> DBusStr:
-        """Takes the backend down and up to time it (the caller asked the operator)."""
+    async def MeasureEnvelope(
+        self, model: DBusStr, config: DBusStr, expected: StringList
+    ) -> DBusStr:
+        """Takes the backend down and up to time it: a switch (issue 21), so it takes
+        ``Unload``'s polkit action and the ``PreviewUnload`` signature the operator saw."""
 
         async def run() -> Any:
             check_text("model", model)
             check_text("config", config)
-            await self._authorize(Action.MEASURE)
-            return await self._controller.enforcement.measure(model, config, envelope=True)
+            signature = parse_signature(expected)
+            await self._authorize(Action.UNLOAD)
+            return await self._controller.enforcement.measure(
+                model, config, envelope=True, expected=signature
+            )
 
         return to_json_text(await self._guard(run()))
 

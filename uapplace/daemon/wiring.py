@@ -37,7 +37,7 @@ from dbus_fast.aio import MessageBus
 
 from uapplace.bus.peer import PeerListener, PeerRefused
 from uapplace.bus.util import add_match, bus_daemon_message
-from uapplace.consent.auto import AutoRunner, enforcement_envelope_s
+from uapplace.consent.auto import AutoRunner, enforcement_envelope_s, option_envelope_s
 from uapplace.consent.idle import IdleSweep
 from uapplace.controller.configstate import ConfigState, LiveConfig
 from uapplace.controller.controller import Controller
@@ -57,6 +57,7 @@ from uapplace.daemon.notify import Notifier
 from uapplace.daemon.service import PlacementInterface, track_senders
 from uapplace.enforce.enforcer import Enforcer
 from uapplace.enforce.host import ControllerHost, ControllerRecoveryHost, ProxyRefresher
+from uapplace.enforce.measuring import EnvelopeWindow
 from uapplace.files.autopolicy import PolicyStore
 from uapplace.files.journal import Journal
 from uapplace.files.ledger import Ledger
@@ -226,7 +227,9 @@ async def attach_enforcement(
     enforcer = Enforcer(
         host, manager, timeouts=timeouts, refresher=refresher, marks=marks, journal=journal
     )
-    sync = UnitSync(host, manager, marks, http_s=timeouts.http_s)
+    sync = UnitSync(
+        host, manager, marks, http_s=timeouts.http_s, sleep_check_s=timeouts.serving_check_s
+    )
 
     async def after_measure() -> None:
         await controller.reload()
@@ -238,7 +241,7 @@ async def attach_enforcement(
         manager,
         http_s=timeouts.http_s,
         after_write=after_measure,
-        exclusive=enforcer.exclusive,
+        window=EnvelopeWindow(enforcer).open,
     )
     try:
         await manager.connect()
@@ -253,9 +256,13 @@ async def attach_enforcement(
         raise
     # Only now: a half-wired controller would accept an Apply it cannot see through.
     if auto is None:
-        controller.enforcement.attach(EnforcementParts(enforcer, measurer))
+        controller.enforcement.attach(EnforcementParts(enforcer, measurer, units=manager))
     else:
-        controller.enforcement.attach(EnforcementParts(enforcer, measurer, auto(enforcer)))
+        parts = EnforcementParts(enforcer, measurer, auto(enforcer), units=manager)
+        controller.enforcement.attach(parts)
+    # Now the units can be read: a measurement taken under another ExecStart or engine
+    # build than they run now stops counting (docs/placement-rules.md §4.1.1).
+    await controller.reload()
     return EnforcementStack(manager, enforcer, sync, measurer, controller)
 
 
@@ -316,6 +323,10 @@ class Assembly:
                 store,
                 controller.config.registry,
                 envelope_s=enforcement_envelope_s(enforcer.timeouts),
+                option_envelope=lambda option: option_envelope_s(
+                    enforcer.timeouts, controller.registry, option
+                ),
+                on_runs=controller.set_auto_loading,
             )
             store.describe_runs = runner.status
             return runner

@@ -51,9 +51,7 @@ from uapplace.demo.walkthrough import (
     add_match,
     admit,
     decision_text,
-    form_option,
-    options_table,
-    pending_with_options,
+    park_for_the_operator,
     run_in_sandbox,
     state_tables,
 )
@@ -300,31 +298,9 @@ async def real_walkthrough(box: Sandbox, console: Console) -> None:
         say.step("The machine", f"{first.key} runs; {second.key} is measured but not loaded.")
         await show_machine(box, bus, console)
 
-        say.step(
-            "A client asks for the resident model",
-            "Before it forwards a request, the proxy asks uapplace where to send it "
-            "(POST /api/placement/admit on the shim).",
+        placement_id, index, option = await park_for_the_operator(
+            say, box, bus, first.key, second.key
         )
-        answer = await admit(box, bus, first.key, CLIENT)
-        say.ok(f"{first.key}: {decision_text(answer)}")
-
-        say.step(
-            "A client asks for a model that is not loaded",
-            "uapplace never evicts on its own: the request is parked for the operator.",
-        )
-        parked = await admit(box, bus, second.key, CLIENT)
-        if parked.get("decision") != "park":
-            raise DemoError(f"expected a park for {second.key}, got {parked}")
-        placement_id = str(parked["placement_id"])
-        say.ok(f"{second.key}: {decision_text(parked)}")
-
-        say.step(
-            "What the operator sees (`uapplace pending`)",
-            "Every option with its impact, computed before anyone says yes.",
-        )
-        entry = await pending_with_options(bus, placement_id)
-        console.print(options_table(entry))
-        index, option = form_option(entry, "stop")
 
         say.step(
             f"The operator says yes: `uapplace apply {placement_id} {index}`",

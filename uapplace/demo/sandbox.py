@@ -561,13 +561,14 @@ def registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[str, Any]:
     with real engines, :func:`llamacpp_registry_json`."""
     if box.spec.llama_server is not None:
         return llamacpp_registry_json(box, models)
-    proxy = {"single_upstream": box.single_upstream} if box.single_upstream else None
+    # Stated either way: the demo's own proxy routes by target_id unless it is the one upstream.
+    proxy = {"single_upstream": box.single_upstream}
     # Behind a single upstream one engine at a time owns the port: a paused one would
     # keep it, so the planner always stops there; no lever is declared.
     lever = box.spec.pause_lever if not box.single_upstream else None
     return {
         "version": 1,
-        **({"proxy": proxy} if proxy else {}),
+        "proxy": proxy,
         "devices": {
             "gpu0": {
                 "kind": "gpu",
@@ -579,32 +580,27 @@ def registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[str, Any]:
             "cpu0": host_device_json(),
         },
         "models": {
-            m.key: {
-                "display": m.display,
-                "engine": "llama.cpp",
-                "unit": m.unit,
-                "endpoint": box.endpoint(m),
-                "rails": 1,
-                "service": m.key,
-                "task_affinity": ["code"] if m is CODER else ["general"],
-                "configs": {
-                    m.config: {
-                        "resident_gpu_mib": m.mib,
-                        "host_rss_mib": 64,
-                        "context_pool_cells": 32768,
-                        "kv_resident_cells": 32768,
-                        "kv": "q8_0",
-                        "measured_at": MEASURED_AT,
-                        "measured_on": "gpu0",
-                        "measured_device": {
-                            "name": DEVICE_NAME,
-                            "uuid": sim_uuid(0),
-                            "total_mib": DEVICE_MIB,
-                        },
-                        **({"pause_lever": lever} if lever else {}),
-                    }
+            m.key: model_json(
+                box,
+                m,
+                rails=1,
+                affinity="code" if m is CODER else "general",
+                config={
+                    "resident_gpu_mib": m.mib,
+                    "host_rss_mib": 64,
+                    "context_pool_cells": 32768,
+                    "kv_resident_cells": 32768,
+                    "kv": "q8_0",
+                    "measured_at": MEASURED_AT,
+                    "measured_on": "gpu0",
+                    "measured_device": {
+                        "name": DEVICE_NAME,
+                        "uuid": sim_uuid(0),
+                        "total_mib": DEVICE_MIB,
+                    },
+                    **({"pause_lever": lever} if lever else {}),
                 },
-            }
+            )
             for m in models
         },
     }
@@ -616,21 +612,31 @@ def llamacpp_registry_json(box: Sandbox, models: Sequence[DemoModel]) -> dict[st
     unit's processes), ``rails`` the units' ``--parallel``, one upstream for all."""
     return {
         "version": 1,
-        **({"proxy": {"single_upstream": box.single_upstream}} if box.single_upstream else {}),
+        "proxy": {"single_upstream": box.single_upstream},
         "devices": {"cpu0": host_device_json()},
         "models": {
-            m.key: {
-                "display": m.display,
-                "engine": "llama.cpp",
-                "unit": m.unit,
-                "endpoint": box.endpoint(m),
-                "rails": LLAMA_PARALLEL,
-                "service": m.key,
-                "task_affinity": ["general"],
-                "configs": {m.config: {"status": "unmeasured"}},
-            }
+            m.key: model_json(
+                box, m, rails=LLAMA_PARALLEL, affinity="general", config={"status": "unmeasured"}
+            )
             for m in models
         },
+    }
+
+
+def model_json(
+    box: Sandbox, model: DemoModel, *, rails: int, affinity: str, config: dict[str, Any]
+) -> dict[str, Any]:
+    """``model``'s registry entry (a llama.cpp unit of the sandbox, its service named after
+    it) with its one config ``config``."""
+    return {
+        "display": model.display,
+        "engine": "llama.cpp",
+        "unit": model.unit,
+        "endpoint": box.endpoint(model),
+        "rails": rails,
+        "service": model.key,
+        "task_affinity": [affinity],
+        "configs": {model.config: config},
     }
 
 

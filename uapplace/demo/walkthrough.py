@@ -195,6 +195,48 @@ async def wait_hot(box: Sandbox, bus: PlacementClient, model: str) -> dict[str, 
     )
 
 
+async def park_for_the_operator(
+    say: Narrator,
+    box: Sandbox,
+    bus: PlacementClient,
+    resident: str,
+    wanted: str,
+    *,
+    retry_note: bool = False,
+) -> tuple[str, int, dict[str, Any]]:
+    """The three steps every walkthrough shows: a request for ``resident`` forwards, one
+    for ``wanted`` parks, the operator sees its options. The placement id and its option
+    that stops ``resident`` (index, option). ``retry_note``: say what the proxy answers."""
+    say.step(
+        "A client asks for the resident model",
+        "Before it forwards a request, the proxy asks uapplace where to send it "
+        "(POST /api/placement/admit on the shim).",
+    )
+    answer = await admit(box, bus, resident, CLIENT)
+    say.ok(f"{resident}: {decision_text(answer)}")
+
+    say.step(
+        "A client asks for a model that is not loaded",
+        "uapplace never evicts on its own: the request is parked for the operator.",
+    )
+    parked = await admit(box, bus, wanted, CLIENT)
+    if parked.get("decision") != "park":
+        raise DemoError(f"expected a park for {wanted}, got {parked}")
+    placement_id = str(parked["placement_id"])
+    say.ok(f"{wanted}: {decision_text(parked)}")
+    if retry_note:
+        say.note("the proxy answers the client 409 with this id; the client retries later")
+
+    say.step(
+        "What the operator sees (`uapplace pending`)",
+        "Every option with its impact, computed before anyone says yes.",
+    )
+    entry = await pending_with_options(bus, placement_id)
+    say.console.print(options_table(entry))
+    index, option = form_option(entry, "stop")
+    return placement_id, index, option
+
+
 async def walkthrough(box: Sandbox, console: Console) -> None:
     say = Narrator(console)
     bus = await PlacementClient.connect(box.bus_address, call_timeout=STEP_GUARD_S * 5)
@@ -209,32 +251,9 @@ async def walkthrough(box: Sandbox, console: Console) -> None:
         for table in state_tables(state, box.sim):
             console.print(table)
 
-        say.step(
-            "A client asks for the resident model",
-            "Before it forwards a request, the proxy asks uapplace where to send it "
-            "(POST /api/placement/admit on the shim).",
+        placement_id, index, option = await park_for_the_operator(
+            say, box, bus, CODER.key, WRITER.key, retry_note=True
         )
-        answer = await admit(box, bus, CODER.key, CLIENT)
-        say.ok(f"{CODER.key}: {decision_text(answer)}")
-
-        say.step(
-            "A client asks for a model that is not loaded",
-            "uapplace never evicts on its own: the request is parked for the operator.",
-        )
-        parked = await admit(box, bus, WRITER.key, CLIENT)
-        if parked.get("decision") != "park":
-            raise DemoError(f"expected a park for {WRITER.key}, got {parked}")
-        placement_id = str(parked["placement_id"])
-        say.ok(f"{WRITER.key}: {decision_text(parked)}")
-        say.note("the proxy answers the client 409 with this id; the client retries later")
-
-        say.step(
-            "What the operator sees (`uapplace pending`)",
-            "Every option with its impact, computed before anyone says yes.",
-        )
-        entry = await pending_with_options(bus, placement_id)
-        console.print(options_table(entry))
-        index, option = form_option(entry, "stop")
         signature = list(option.get("signature", []))
 
         say.step(

@@ -116,6 +116,8 @@ class Enforcer:
         )
         self._lock = asyncio.Lock()
         self._running: str | None = None
+        self._applying: str | None = None
+        self._drained: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ public
 
@@ -123,6 +125,19 @@ class Enforcer:
     def running(self) -> str | None:
         """``"<run id> (<what>)"`` while a run is in progress, else ``None``."""
         return self._running
+
+    @property
+    def applying(self) -> str | None:
+        """The placement id the run in progress resolves (an ``Apply``), else ``None``:
+        a ``Dismiss`` of it is ``Busy`` until the run ends (issue 20)."""
+        return self._applying
+
+    @property
+    def drained(self) -> frozenset[str]:
+        """The models whose victims the run in progress has drained: past that point it
+        stops or pauses them whatever a new hold says, so a ``Hold`` on them is ``Busy``
+        (a hold during the drain is waited for, and rolls the run back at its bound)."""
+        return self._drained
 
     async def wait_idle(self) -> None:
         async with self._lock:
@@ -238,6 +253,7 @@ class Enforcer:
         async with self._lock:
             run = Run(run_id=f"run-{secrets.token_hex(4)}", what=what, host=self.host)
             self._running = f"{run.run_id} ({what})"
+            self._applying = placement_id
             outcome = "refused"  # revalidation said no (or raised): nothing ran
             try:
                 target = await target_of(run)
@@ -250,6 +266,8 @@ class Enforcer:
             finally:
                 rollback.release_marks(self.ctx, run)
                 self._running = None
+                self._applying = None
+                self._drained = frozenset()
                 self._count_run(run, what.split(" ", 1)[0], outcome)
 
     def _count_run(self, run: Run, verb: str, outcome: str) -> None:
@@ -262,7 +280,7 @@ class Enforcer:
     ) -> EnforcementResult:
         ctx = self.ctx
         if target.reuse is not None:
-            enforce_steps.resolve(ctx, run, target)
+            await enforce_steps.resolve(ctx, run, target)
             return self._succeeded(run, target, placement_id)
         refusal = await enforce_steps.preflight(ctx, run, target)
         if refusal is not None:
@@ -277,6 +295,7 @@ class Enforcer:
         try:
             enforce_steps.mark_draining(ctx, run, target)
             await enforce_steps.drain(ctx, run, target)
+            self._drained = frozenset(v.model for v in target.victims)
             await enforce_pause.pause(ctx, run, target)
             await enforce_steps.stop(ctx, run, target)
             await enforce_steps.verify_free(ctx, run, target)
@@ -294,7 +313,7 @@ class Enforcer:
             unexpected = run.fail(UNEXPECTED, f"{type(err).__name__}: {err}")
             return await rollback.failed_result(ctx, run, target, placement_id, unexpected)
         await enforce_steps.refresh_proxy(ctx, run)
-        enforce_steps.resolve(ctx, run, target)
+        await enforce_steps.resolve(ctx, run, target)
         return self._succeeded(run, target, placement_id)
 
     def _succeeded(self, run: Run, target: Target, placement_id: str | None) -> EnforcementResult:

@@ -10,6 +10,7 @@ daemon's implementation over :class:`~uapplace.controller.controller.Controller`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -20,6 +21,7 @@ from uapplace.core.model import (
     DeviceReading,
     Holder,
     Model,
+    PendingEntry,
     Plan,
     Registry,
     Resident,
@@ -64,6 +66,20 @@ class EnforcementHost(Protocol):
 
     def holds(self, resident: Resident) -> Sequence[Holder]:
         """The bus holds on this resident."""
+        ...
+
+    def forward_age(self, target_id: str) -> float | None:
+        """Seconds since admission last answered ``forward`` to ``target_id`` (``None``:
+        never): the drain's forward lease (docs/placement-rules.md §4.6, "Forward leases")."""
+        ...
+
+    def pending_entry(self, placement_id: str) -> PendingEntry | None:
+        """The pending entry, unless it expired or was resolved (dismissed …)."""
+        ...
+
+    def durable_resolutions(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Entries resolved inside are announced (``Resolved``) once the ledger without
+        them is on disk (one ``Resolved`` per placement, even across a crash)."""
         ...
 
     async def read_devices(self) -> Mapping[str, DeviceReading]:
@@ -127,6 +143,9 @@ class ControllerHost:
         self.service_policy = controller.service_policy
         self.resolve_served = controller.resolve_served
         self.resolve_entry = controller.resolve_pending_id
+        self.forward_age = controller.forward_age
+        self.durable_resolutions = controller.durable_resolutions
+        self.pending_entry = controller.live_pending_entry
 
     def registry(self) -> Registry:
         return self.controller.registry

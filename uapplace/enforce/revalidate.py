@@ -41,6 +41,7 @@ from uapplace.enforce.host import EnforcementHost
 from uapplace.enforce.run import (
     Run,
     Target,
+    option_signature_drift,
     option_text,
     same_placement,
     signature_drift,
@@ -55,8 +56,24 @@ async def option_target(
     approved: Option,
     signature: tuple[str, ...],
 ) -> Target:
-    """``Apply``: the approved option of ``entry`` as it stands now, or a refusal."""
+    """``Apply``: the approved option of ``entry`` as it stands now, or a refusal.
+
+    The signature names each victim's action (``@pause``), so it must be the approved
+    option's own: a stop form's signature never approves the pause form it sits next to,
+    nor the other way round (docs/bus-api.md, "The approval signature")."""
+    if host.pending_entry(entry.id) is None:
+        # A run that waited its turn (the auto runner's) for an entry dismissed meanwhile.
+        raise _refuse(
+            run,
+            NotFound(
+                f"placement {entry.id} is no longer pending (dismissed, expired or resolved "
+                "while the run waited its turn): nothing to apply"
+            ),
+        )
     fresh = await host.plan_for(entry.requested_model, entry.cells)
+    mismatch = option_signature_drift(approved, signature)
+    if mismatch is not None:
+        raise _refuse(run, mismatch)
     reuse = next((o for o in fresh.options if o.kind is OptionKind.REUSE), None)
     if reuse is not None:
         return _reuse_target(host, run, entry.requested_model, reuse, entry)

@@ -464,6 +464,21 @@ def signature_drift(approved: tuple[str, ...], now: Iterable[str]) -> Drifted | 
     )
 
 
+def option_signature_drift(option: Option, signature: tuple[str, ...]) -> Drifted | None:
+    """``Drifted`` when ``signature`` is not the chosen option's own (issue 20).
+
+    The index picks the option and the signature is the consent: they must name the same
+    victims with the same actions, or the call approves something it did not choose
+    (``Apply(ID, 1, ['coder/q4'])`` where option 1 pauses coder: never a stop)."""
+    if option.signature == signature:
+        return None
+    return Drifted(
+        f"victim set changed: approved [{', '.join(signature) or 'none'}], now "
+        f"[{', '.join(option.signature) or 'none'}] for the chosen option "
+        f"({option_text(option)}); look at the preview again"
+    )
+
+
 def same_placement(a: Option, b: Option) -> bool:
     return (a.kind, a.model, a.config, a.device) == (b.kind, b.model, b.config, b.device)
 

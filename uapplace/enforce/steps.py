@@ -20,8 +20,10 @@ wake steps are :mod:`uapplace.enforce.pause`, the undoing ones :mod:`uapplace.en
   truth, so a concurrent unit sync keeps them mid-drain; the resident's published
   ``draining`` is derived from them (``marks.overlay``). They are cleared when the
   run ends, whatever the outcome.
-- **drain** waits (polling) until no victim has in-flight work at the proxy, a
-  bus hold, or work its engine reports (:mod:`uapplace.io.busy`: ``/props``
+- **drain** waits (polling) until no victim has a forward lease running (admission
+  answered ``forward`` to it within ``forward_lease_s``: the proxy may not list that
+  request yet, docs/placement-rules.md §4.6, "Forward leases"), in-flight work at the
+  proxy, a bus hold, or work its engine reports (:mod:`uapplace.io.busy`: ``/props``
   ``is_sleeping``, then ``/slots`` ``is_processing``, then the ``/metrics``
   request gauges; a request sent straight to the engine is not in the proxy's
   list). The proxy not answering, or an engine not answering, is unknown, which
@@ -61,7 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from uapplace.core.alerts import AlertKind, Severity
@@ -210,6 +212,9 @@ async def drain(ctx: RunContext, run: Run, target: Target) -> None:
     labelled = (target.label, target.config) if target.config is not None else None
     bound = ctx.timeouts.drain_bound(labelled, [ctx.victim_config(v) for v in target.victims])
     deadline = started + bound.seconds
+    pauses = verify.backoff(
+        min(verify.FIRST_POLL_S, ctx.timeouts.drain_poll_s), ctx.timeouts.drain_poll_s
+    )
     waited_for: list[str] = []  # what the first look found busy: why the drain waited
     while True:
         try:
@@ -234,7 +239,7 @@ async def drain(ctx: RunContext, run: Run, target: Target) -> None:
                 f"still busy after {bound.seconds:g}s: {'; '.join(look.busy)} "
                 f"(nothing was cut off; {bound.text()})",
             )
-        await asyncio.sleep(min(ctx.timeouts.drain_poll_s, max(0.0, deadline - time.monotonic())))
+        await asyncio.sleep(min(next(pauses), max(0.0, deadline - time.monotonic())))
 
 
 @dataclass(frozen=True)
@@ -247,8 +252,12 @@ class DrainLook:
 
 
 async def _look(ctx: RunContext, target: Target) -> DrainLook:
-    """The proxy's list and bus holds (as before issue 19), then each victim's engine."""
+    """The forward leases, the proxy's list and bus holds (as before issue 19), then each
+    victim's engine."""
     victims = target.victims
+    # Before the list is asked: a lease seen run out here means the list asked below was
+    # asked after it ran out, so a forward answered before the mark is in it if sent.
+    leased = _leased(ctx, victims)
     inflight = await ctx.host.inflight()
     works = await asyncio.gather(*(_engine_work(ctx, target, v) for v in victims))
     reasons: list[str] = []
@@ -273,7 +282,24 @@ async def _look(ctx: RunContext, target: Target) -> DrainLook:
         asked.append(f"{victim.signature} engine: {_work_text(work)}")
         if work.blocks_drain:
             reasons.append(f"{victim.signature}: its engine says {_work_text(work)}")
-    return DrainLook(reasons, asked)
+    return DrainLook(reasons + leased, asked)
+
+
+def _leased(ctx: RunContext, victims: Sequence[Resident]) -> list[str]:
+    """A victim admission answered ``forward`` for within the lease is busy: the proxy may
+    not have put that request in its list yet (docs/placement-rules.md §4.6, "Forward
+    leases"). Admission forwards to no victim once it is marked, so each lease only runs
+    out."""
+    lease_s = ctx.timeouts.forward_lease_s
+    out = []
+    for target_id in sorted({v.target_id for v in victims}):
+        age = ctx.host.forward_age(target_id)
+        if age is not None and age < lease_s:
+            out.append(
+                f"{target_id}: forward lease (a forward answered {age * 1000:.0f} ms before "
+                f"this look may not be in the proxy's list yet; lease {lease_s:g}s)"
+            )
+    return out
 
 
 async def _engine_work(ctx: RunContext, target: Target, victim: Resident) -> busy.EngineWork | None:
@@ -378,6 +404,7 @@ async def verify_free(ctx: RunContext, run: Run, target: Target) -> None:
     need = _free_need(target)
     bound = ctx.timeouts.verify_free_bound([ctx.victim_config(v) for v in target.victims])
     deadline = time.monotonic() + bound.seconds
+    pauses = _free_pauses(ctx)
     while True:
         readings = await ctx.host.read_devices()
         reading = readings.get(target.device)
@@ -396,7 +423,13 @@ async def verify_free(ctx: RunContext, run: Run, target: Target) -> None:
             raise run.fail(
                 VERIFY_FREE, f"after {bound.seconds:g}s: {problem}; {orphans} ({bound.text()})"
             )
-        await asyncio.sleep(ctx.timeouts.verify_free_poll_s)
+        await asyncio.sleep(next(pauses))
+
+
+def _free_pauses(ctx: RunContext) -> Iterator[float]:
+    """verify-free's polls: soon after the stop, backing off to ``verify_free_poll_s``."""
+    longest = ctx.timeouts.verify_free_poll_s
+    return verify.backoff(min(verify.FIRST_POLL_S, longest), longest)
 
 
 async def _verify_host_free(ctx: RunContext, run: Run, target: Target) -> None:
@@ -409,6 +442,7 @@ async def _verify_host_free(ctx: RunContext, run: Run, target: Target) -> None:
     units = list(dict.fromkeys(run.stopped_units))
     bound = ctx.timeouts.verify_free_bound([ctx.victim_config(v) for v in target.victims])
     deadline = time.monotonic() + bound.seconds
+    pauses = _free_pauses(ctx)
     while True:
         reading = (await ctx.host.read_devices()).get(target.device)
         problem = _host_reading_problem(reading, target.device)
@@ -420,7 +454,7 @@ async def _verify_host_free(ctx: RunContext, run: Run, target: Target) -> None:
             return
         if time.monotonic() >= deadline:
             raise run.fail(VERIFY_FREE, f"after {bound.seconds:g}s: {problem} ({bound.text()})")
-        await asyncio.sleep(ctx.timeouts.verify_free_poll_s)
+        await asyncio.sleep(next(pauses))
 
 
 def _host_reading_problem(reading: DeviceReading | None, device: str) -> str | None:
@@ -598,7 +632,16 @@ async def refresh_proxy(ctx: RunContext, run: Run) -> None:
     run.record(REFRESH_PROXY, ok, detail if ok else f"{detail} (not fatal)")
 
 
-def resolve(ctx: RunContext, run: Run, target: Target) -> None:
+async def resolve(ctx: RunContext, run: Run, target: Target) -> None:
+    """The ledger's side of the switch. The entries it resolves are announced once the
+    ledger without them is on disk, so a crash right after cannot make the start-up
+    repair resolve them a second time (one ``Resolved`` per placement, issue 20)."""
+    async with ctx.host.durable_resolutions():
+        parts = _resolve(ctx, run, target)
+    run.record(RESOLVE, True, "; ".join(parts))
+
+
+def _resolve(ctx: RunContext, run: Run, target: Target) -> list[str]:
     ctx.marks.clear_run(run.run_id)
     registry = ctx.host.registry()
     for victim in target.stopping:
@@ -623,13 +666,20 @@ def resolve(ctx: RunContext, run: Run, target: Target) -> None:
     elif served is None and target.config is not None:
         served = ctx.new_resident(target, target.config)
     # Resolve before publishing the resident: publishing would resolve them as
-    # "forwarded", and these entries were resolved by this enforcement.
+    # "forwarded", and these entries were resolved by this enforcement. A reuse of a
+    # resident not ``hot`` yet resolves nothing: admission still parks its requests
+    # (``warming``), and the entry resolves ``forwarded`` once it is published (issue 21).
     resolved: list[str] = []
-    if target.entry is not None and ctx.host.resolve_entry(target.entry.id, APPLIED):
+    reused = target.reuse
+    if reused is not None and reused.state is not ResidentState.HOT:
+        parts.append(
+            f"{reused.signature} is {reused.state.value}: the entry stays until it is published"
+        )
+    elif target.entry is not None and ctx.host.resolve_entry(target.entry.id, APPLIED):
         resolved.append(target.entry.id)
     if served is not None:
         resolved += ctx.host.resolve_served(served, APPLIED)
         ctx.host.put_resident(served)
         parts.append(f"{served.signature} {served.state.value} on {served.device}")
     parts.append(f"resolved {', '.join(resolved)}" if resolved else "no pending entry to resolve")
-    run.record(RESOLVE, True, "; ".join(parts))
+    return parts

@@ -5,7 +5,8 @@ writer (``jsonfile``), the registry (``registry``, ``registry_schema``,
 ``registry_write``), the capacity policy (``capacity``), the ledger
 ``placement.json`` (``ledger``, ``ledger_schema``), the enforcement journal
 (``journal``), the timeouts file (``timeouts``), the standing-consent policy
-(``autopolicy``) and the shim's dashboard token (``token``). Pydantic lives here, at
+(``autopolicy``), the shim's dashboard token (``token``) and the stock proxy's one
+upstream as its environment file names it (``proxyenv``). Pydantic lives here, at
 the edge; what a file holds is handed inward as ``core.model`` dataclasses. Every file
 uapplaced takes orders from is read ``trusted`` (owned by its user or root, writable by
 no one else) and every number in it has a range (docs/placement-rules.md §4.7).

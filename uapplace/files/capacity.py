@@ -42,6 +42,7 @@ from uapplace.core.topology import single_upstream_problems
 from uapplace.core.unitnames import unit_file_name, valid_unit_name
 from uapplace.files import jsonfile
 from uapplace.files.jsonfile import ConfigFileError
+from uapplace.files.proxyenv import several_ports_problems
 from uapplace.files.registry import RegistryLoad, envelope_staleness
 from uapplace.files.registry_schema import (
     MAX_LIST_ITEMS,
@@ -247,18 +248,18 @@ def validate(load: RegistryLoad, policy: CapacityPolicy | None) -> list[Finding]
     advertised id) claimed by two models; a model's ``service`` missing from the
     policy, or naming a service whose unit none of its configs runs under; a
     ``metricsMustMatch`` value (``kv``, ``max_context``, ``n_ctx``) the config contradicts; launch
-    flags lacking an ``execStartMustContain`` entry.
+    flags lacking an ``execStartMustContain`` entry; a ``gpuMinFreeMiB`` above what the
+    device can ever have free with the config resident (it can never hold).
 
     Warnings: ``rails`` unknown; a config key shared by two models; a
     ``metricsMustMatch`` key the registry has no number for; a config that can never
-    fit its device or the host; a ``gpuMinFreeMiB`` above what the device can ever
-    have free with the config resident, or below the device's ``reserved_mib`` (the
+    fit its device or the host; a ``gpuMinFreeMiB`` below the device's ``reserved_mib`` (the
     placement layer uses ``reserved_mib``, never that floor: docs/placement-rules.md §4.1.1); no
     policy at all.
     """
     check = _Checker(load, policy)
     registry = load.registry
-    findings: list[Finding] = [_load_error(err) for err in load.errors]
+    findings: list[Finding] = [_load_error(err, load.local_kept) for err in load.errors]
     for device in registry.devices.values():
         findings.extend(_device_rules(check, device))
     findings.extend(_identity_rules(check))
@@ -293,11 +294,17 @@ def timeouts_findings(path: Path) -> list[Finding]:
 
 def topology_findings(load: RegistryLoad) -> list[Finding]:
     """With ``proxy.single_upstream`` set, every model or config the proxy cannot reach
-    after a switch is an error (:func:`uapplace.core.topology.single_upstream_problems`)."""
+    after a switch is an error (:func:`uapplace.core.topology.single_upstream_problems`);
+    then the registry's ports against the stock proxy's own upstream, or several ports
+    with no word on how the proxy routes
+    (:func:`uapplace.files.proxyenv.several_ports_problems`)."""
+    findings = [
+        Finding(p.severity, str(load.repo_path), json_path(p.where), p.message)
+        for p in several_ports_problems(load.registry, load.proxy_stated, load.proxy_upstream)
+    ]
     upstream = load.registry.single_upstream
     if upstream is None:
-        return []
-    findings = []
+        return findings
     for problem in single_upstream_problems(load.registry, upstream):
         where: tuple[str, ...] = ("models", problem.model)
         if problem.config is not None:
@@ -329,7 +336,15 @@ def _trust_rules(check: _Checker) -> Iterator[Finding]:
                 yield check.config_finding("error", model, config, "engine_build", config.untrusted)
 
 
-def _load_error(err: ConfigFileError) -> Finding:
+def _load_error(err: ConfigFileError, kept: bool) -> Finding:
+    if kept:
+        return Finding(
+            "error",
+            str(err.file),
+            err.json_path,
+            f"{err.message} (this file was not taken; uapplaced keeps the last good version "
+            "it read before until it is fixed)",
+        )
     return Finding(
         "error",
         str(err.file),
@@ -633,9 +648,9 @@ def _floor_budget_rule(
     if floor is None or device is None or config.resident_gpu_mib is None:
         return
     free_budget = device.total_mib - device.reserved_mib - config.resident_gpu_mib
-    if floor > free_budget:
+    if floor > free_budget:  # a contradiction, not a doubt: an error (issue 21 item 8)
         yield check.policy_finding(
-            "warning",
+            "error",
             service,
             "gpuMinFreeMiB",
             f"gpuMinFreeMiB {floor} can never hold with {model.key}/{config.key} resident on "

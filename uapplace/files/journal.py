@@ -62,7 +62,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from uapplace.core.model import Resident, ResidentState, iso
+from uapplace.core.model import Resident, ResidentState, VictimAction, iso
 from uapplace.core.steps import ROLLBACK_STEPS, JournaledStep
 from uapplace.core.unitnames import valid_unit_name
 from uapplace.files.jsonfile import (
@@ -82,8 +82,9 @@ JOURNAL_VERSION = 1
 MAX_JOURNAL_BYTES = 1 << 20
 """A journal is a few KiB; anything over 1 MiB is not one of ours."""
 
-RunKind = Literal["apply", "load", "unload"]
-VictimAction = Literal["stop", "pause"]
+RunKind = Literal["apply", "load", "unload", "measure"]
+"""``measure``: a ``measure --envelope`` run (it stops and starts one model; the repair
+restarts it, never finishes it as an unload: :mod:`uapplace.enforce.measuring`)."""
 
 
 class JournalError(Exception):

@@ -515,7 +515,8 @@ def move_aside(path: Path, target: Path | None = None) -> Path:
     where it went.
 
     By default to ``<name>.corrupt-<UTC stamp>`` (``.1``, ``.2`` … if taken): the
-    evidence is kept for the operator, never overwritten and never deleted. A caller
+    evidence is kept for the operator, never overwritten and never deleted here (the
+    ledger keeps its newest three: :func:`uapplace.files.ledger.prune_corrupt_copies`). A caller
     with a fixed place for it (the enforcement journal's ``….broken``) names ``target``,
     which is replaced.
     """

@@ -8,9 +8,17 @@ A reader therefore always sees a whole file and needs no lock; a stale view can
 never clobber a newer one. The file's schema is :mod:`uapplace.files.ledger_schema`.
 
 A file that is not valid JSON or not the docs/placement-rules.md §4.2 shape is moved aside to
-``placement.json.corrupt-<UTC timestamp>`` (never overwritten, never deleted),
-:attr:`Ledger.last_error` says where it went, and work continues from an empty
-document. "The file as a whole" is judged strictly (:class:`LedgerFileError`): over
+``placement.json.corrupt-<UTC timestamp>`` (never overwritten; only the newest
+:data:`KEEP_CORRUPT` such copies are kept, older ones are deleted so a file broken over and
+over cannot fill the disk), :attr:`Ledger.last_error` says where it went, and work
+continues from an empty document.
+
+A write never makes a file this module would refuse to read back: one whose text is over
+:data:`~uapplace.files.jsonfile.LEDGER_MAX_BYTES` is refused whole with
+:class:`LedgerTooLarge` and the file on disk stays as it was (issue 20: a ledger that
+outgrew the cap was moved aside as corrupt at every write, 2.1 GB of copies).
+
+"The file as a whole" is judged strictly (:class:`LedgerFileError`): over
 16 MiB, nested deeper than 64 levels, not JSON, not an object, a wrong ``version``
 or ``updated_at`` (:mod:`uapplace.files.jsonfile`), or owned by another user or writable
 by group or others (:class:`~uapplace.files.jsonfile.UntrustedFile`: its residents and
@@ -391,6 +399,43 @@ def parse_ledger_text(raw: bytes, file: Path = Path("placement.json")) -> Ledger
 # --------------------------------------------------------------------------- the file
 
 
+KEEP_CORRUPT = 3
+"""How many ``placement.json.corrupt-*`` copies are kept: the newest, the evidence of the
+latest breakage; older ones are deleted."""
+
+
+class LedgerTooLarge(Exception):
+    """A write refused: the new text would be over the cap the ledger is read back with."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        cap = jsonfile.LEDGER_MAX_BYTES
+        mib, whole = divmod(cap, 1024 * 1024)
+        cap_text = f"{mib} MiB" if mib and not whole else f"{cap:,} bytes"
+        super().__init__(
+            f"{path}: the new ledger would be {size:,} bytes, over the {cap_text} uapplaced "
+            "reads back; not written (the file on disk is the last one that fit)"
+        )
+        self.path = path
+        self.size = size
+
+
+def prune_corrupt_copies(path: Path, keep: int = KEEP_CORRUPT) -> list[Path]:
+    """Delete all but the newest ``keep`` ``<name>.corrupt-*`` copies beside ``path``;
+    the ones deleted."""
+    copies = sorted(path.parent.glob(f"{path.name}.corrupt-*"), key=_corrupt_order)
+    gone = copies[: max(len(copies) - keep, 0)]
+    for old in gone:
+        old.unlink(missing_ok=True)
+        log.info("deleted the old ledger copy %s (the newest %d are kept)", old, keep)
+    return gone
+
+
+def _corrupt_order(copy: Path) -> tuple[str, int]:
+    """``….corrupt-<stamp>[.n]`` by stamp, then serial (``.10`` after ``.9``)."""
+    stamp, _, serial = copy.name.rsplit(".corrupt-", 1)[1].partition(".")
+    return stamp, int(serial) if serial.isdigit() else 0
+
+
 class Ledger:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -431,6 +476,9 @@ class Ledger:
             result = fn(doc)
             doc.updated_at = time.time()
             text = jsonfile.dumps(doc_to_json(doc), indent=2) + "\n"
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > jsonfile.LEDGER_MAX_BYTES:
+                raise LedgerTooLarge(self.path, size)
             jsonfile.atomic_write(self.path, text, mode=0o600, sync=True)
         return result
 
@@ -456,6 +504,7 @@ class Ledger:
             return self._load()
         except LedgerFormatError as err:
             moved_to = jsonfile.move_aside(self.path)
+            prune_corrupt_copies(self.path)
             self.last_error = (
                 f"{self.path} was corrupt ({err}); moved it aside to {moved_to} "
                 "and continued from an empty ledger"

@@ -32,6 +32,7 @@ from uapplace.core.model import (
     Resident,
     ResidentState,
     Victim,
+    VictimAction,
 )
 from uapplace.files.registry_schema import (
     MAX_CELLS,
@@ -168,7 +169,7 @@ class VictimJson(StrictJson):
     consequence: str
     reload_mib: float | None = None
     # Issue 12: the action on this victim and what it costs (model.Victim).
-    action: Literal["stop", "pause"] = "stop"
+    action: VictimAction = "stop"
     serve_again_s: float | None = None
     residual_mib: float = 0.0
     host_grows_mib: float = 0.0

@@ -14,8 +14,11 @@ Every config and every device field records which file it came from, so
 ``uapplace validate`` can attribute a wrong number.
 
 A broken repo file raises :class:`ConfigFileError`. A broken local file does not: the
-repo defaults load (everything the local file would have measured stays unmeasured and
-fails closed) and the error travels in :attr:`RegistryLoad.errors`.
+error travels in :attr:`RegistryLoad.errors` and, when the caller hands in the local
+document it last took (``last_good``: the daemon's reload does, as it does for the capacity
+policy), that version stays merged over the repo (:attr:`RegistryLoad.local_kept`);
+otherwise (the CLI, the daemon's first read) the repo defaults load and everything the
+local file would have measured stays unmeasured and fails closed.
 
 The files' schema is :mod:`uapplace.files.registry_schema`; ``uapplace measure`` writes the
 machine-local file through :mod:`uapplace.files.registry_write`; unit names are checked by
@@ -45,6 +48,7 @@ from uapplace.core.model import (
 )
 from uapplace.files import jsonfile
 from uapplace.files.jsonfile import ConfigFileError
+from uapplace.files.proxyenv import ProxyUpstream, read_proxy_upstream
 from uapplace.files.registry_schema import (
     DeviceDoc,
     EnvelopeDoc,
@@ -69,7 +73,8 @@ class RegistryLoad:
 
     registry: Registry
     errors: tuple[ConfigFileError, ...]
-    """Problems with the local file; when not empty, the local file was ignored whole."""
+    """Problems with the local file as it is now; when not empty, that file was not taken
+    (whole): the last good version stays in force when :attr:`local_kept`, else nothing."""
     repo_path: Path
     local_path: Path | None
     model_provenance: Mapping[str, Mapping[str, Provenance]] = field(default_factory=dict)
@@ -77,6 +82,28 @@ class RegistryLoad:
     device_mismatches: tuple[ConfigFileError, ...] = ()
     """Local measurements whose recorded device is not the device the probe sees now
     (:func:`gate_on_devices`); each such config is untrusted in :attr:`registry`."""
+    local_doc: LocalRegistryDoc | None = None
+    """The machine-local document merged in (``None``: repo defaults only); the
+    ``last_good`` of the next :func:`load_registry`."""
+    local_kept: bool = False
+    """The local file is broken (:attr:`errors`) and :attr:`local_doc` is the last good
+    version read before, still in force."""
+    proxy_stated: bool = False
+    """``proxy.single_upstream`` is written in the repo file or the local document in force
+    (a URL, or ``null``: the operator says the proxy routes by ``target_id``)."""
+    proxy_upstream: ProxyUpstream | None = None
+    """The stock proxy's one upstream as its environment file names it
+    (:mod:`uapplace.files.proxyenv`), when the loader was given that file."""
+
+    @property
+    def local_state(self) -> str:
+        """``loaded`` (the local file as it is now), ``last-good`` (broken; the version read
+        before stays), ``ignored`` (broken, nothing good before: repo defaults) or ``none``."""
+        if self.local_kept:
+            return "last-good"
+        if self.errors:
+            return "ignored"
+        return "loaded" if self.local_doc is not None else "none"
 
     def file_for(self, provenance: Provenance) -> Path:
         """The file an entry with this provenance came from."""
@@ -155,6 +182,8 @@ def _config(
         provenance=origin,
         measured_device=_identity(doc.measured_device),
         engine_build=doc.engine_build,
+        exec_start_sha256=doc.exec_start_sha256,
+        measured_build=doc.measured_build,
         untrusted=_untrusted(doc, origin, src, model_build),
         start_s=doc.start_s,
         envelope=_envelope(doc.envelope),
@@ -201,6 +230,26 @@ def _untrusted(
     return ""
 
 
+INHERITED_CONFIG_FIELDS = ("pause_lever", "start_timeout_s", "unit", "endpoint")
+"""What a config declares rather than measures: a machine-local entry for the same config
+(a measurement) that does not set one keeps the repo's (issue 21 item 6: a local
+measurement no longer hides the repo's ``pause_lever``). Figures are never mixed."""
+
+
+def _config_fields(
+    repo: MeasuredConfigDoc | UnmeasuredConfigDoc | None,
+    chosen: MeasuredConfigDoc | UnmeasuredConfigDoc,
+) -> dict[str, Any]:
+    fields = chosen.model_dump(exclude_unset=True)
+    if repo is None or repo is chosen:
+        return fields
+    declared = repo.model_dump(exclude_unset=True)
+    for name in INHERITED_CONFIG_FIELDS:
+        if name in declared and name not in fields:
+            fields[name] = declared[name]
+    return fields
+
+
 def _merge_model(src: _Sources, key: str) -> tuple[Model, dict[str, Provenance]]:
     repo_doc = src.repo.models.get(key)
     over_doc = src.local.models.get(key) if src.local else None
@@ -212,7 +261,7 @@ def _merge_model(src: _Sources, key: str) -> tuple[Model, dict[str, Provenance]]
     merged = {
         **base,
         **over,
-        "configs": {k: c.model_dump(exclude_unset=True) for k, c in configs.items()},
+        "configs": {k: _config_fields(repo_configs.get(k), c) for k, c in configs.items()},
     }
     doc = parse_doc(ModelDoc, merged, src.file("local"), ("models", key))
     model = Model(
@@ -300,26 +349,72 @@ def _single_upstream(src: _Sources) -> str | None:
     return src.repo.proxy.single_upstream if src.repo.proxy is not None else None
 
 
-def load_registry(repo_path: Path, local_path: Path | None) -> RegistryLoad:
+def load_registry(
+    repo_path: Path,
+    local_path: Path | None,
+    last_good: LocalRegistryDoc | None = None,
+    proxy_env: Path | None = None,
+) -> RegistryLoad:
     """Load the repo registry and merge the machine-local one over it.
 
     Raises :class:`ConfigFileError` only when the repo file is invalid. A local file
-    that is unreadable or invalid is ignored whole (a half-applied measurement file is
-    worse than none) and reported in :attr:`RegistryLoad.errors`; a missing one is normal.
+    that is unreadable or invalid is not taken whole (a half-applied measurement file is
+    worse than none) and reported in :attr:`RegistryLoad.errors`; ``last_good`` (the
+    local document a previous load took) is then merged instead, when it still fits the
+    repo file, else the repo defaults load. A missing local file is normal: repo only.
+    ``proxy_env``: the stock proxy's environment file, read for its one upstream
+    (:attr:`RegistryLoad.proxy_upstream`).
     """
     repo = parse_doc(RegistryDoc, jsonfile.read_json(repo_path, trusted=True), repo_path)
-    errors: tuple[ConfigFileError, ...] = ()
-    if local_path is not None and local_path.exists():
+    load = _merged(repo, repo_path, local_path, last_good)
+    return replace(
+        load,
+        proxy_stated=_proxy_stated(repo, load.local_doc),
+        proxy_upstream=read_proxy_upstream(proxy_env) if proxy_env is not None else None,
+    )
+
+
+def _proxy_stated(repo: RegistryDoc, local: LocalRegistryDoc | None) -> bool:
+    return any(
+        doc is not None
+        and doc.proxy is not None
+        and "single_upstream" in doc.proxy.model_fields_set
+        for doc in (repo, local)
+    )
+
+
+def _merged(
+    repo: RegistryDoc, repo_path: Path, local_path: Path | None, last_good: LocalRegistryDoc | None
+) -> RegistryLoad:
+    """The repo document with the local file (or ``last_good``) merged over it."""
+    if local_path is None or not local_path.exists():
+        registry, provenance = _build(_Sources(repo, None, repo_path, local_path))
+        return RegistryLoad(registry, (), repo_path, local_path, provenance)
+    try:
+        local = parse_doc(
+            LocalRegistryDoc, jsonfile.read_json(local_path, trusted=True), local_path
+        )
+        registry, provenance = _build(_Sources(repo, local, repo_path, local_path))
+        return RegistryLoad(registry, (), repo_path, local_path, provenance, local_doc=local)
+    except ConfigFileError as err:
+        if err.file == repo_path:
+            raise
+        errors = err.every()
+    if last_good is not None:
         try:
-            local = parse_doc(
-                LocalRegistryDoc, jsonfile.read_json(local_path, trusted=True), local_path
+            registry, provenance = _build(_Sources(repo, last_good, repo_path, local_path))
+        except ConfigFileError:
+            pass  # the repo file changed under it: repo defaults, as with nothing kept
+        else:
+            return RegistryLoad(
+                registry,
+                errors,
+                repo_path,
+                local_path,
+                provenance,
+                local_doc=last_good,
+                local_kept=True,
             )
-            registry, provenance = _build(_Sources(repo, local, repo_path, local_path))
-            return RegistryLoad(registry, (), repo_path, local_path, provenance)
-        except ConfigFileError as err:
-            if err.file == repo_path:
-                raise
-            errors = err.every()
     registry, provenance = _build(_Sources(repo, None, repo_path, local_path))
     return RegistryLoad(registry, errors, repo_path, local_path, provenance)
 

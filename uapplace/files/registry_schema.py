@@ -235,6 +235,10 @@ class MeasuredConfigDoc(_Doc):
     measured_device: MeasuredDeviceDoc | None = None
     engine_build: NonEmpty | None = None
     flags: Annotated[list[Text], Field(max_length=MAX_LIST_ITEMS)] = []
+    # What the engine ran as when measured (docs/placement-rules.md §4.1.1, stale rule):
+    # the digest of the unit's live ExecStart and the build the engine itself reported.
+    exec_start_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    measured_build: NonEmpty | None = None
     unit: UnitName | None = None
     endpoint: Endpoint | None = None
     # Diagnostics `measure` records (docs/placement-rules.md §4.1.1); never in the cost.
@@ -316,7 +320,8 @@ class ProxyDoc(_Doc):
 
     single_upstream: Endpoint | None = None
     """Every request goes to this one address (the stock UAP proxy's ``LLAMA_CPP_BASE``);
-    absent or null: the proxy routes by ``target_id``."""
+    null: the proxy routes by ``target_id``; absent: the same, but the registry's ports are
+    checked against the proxy (:mod:`uapplace.files.proxyenv`)."""
 
 
 class RegistryDoc(_Doc):

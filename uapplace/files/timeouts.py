@@ -50,11 +50,18 @@ class Timeouts:
     """How long in-flight work and holds may take to finish before rolling back."""
     drain_poll_s: float = 0.25
     """Pause between two in-flight checks (≤ 250 ms)."""
+    forward_lease_s: float = 0.3
+    """How long after answering ``forward`` for a victim the drain still counts that request
+    as in flight (issue 20): the proxy registers it in its in-flight list only once it sends
+    it, so for this long after an answer its list may not show it yet
+    (docs/placement-rules.md §4.6, "Forward leases")."""
     stop_s: float = 90.0
     """A stop job's deadline (systemd's own ``TimeoutStopSec`` default)."""
     verify_free_s: float = 15.0
     """How long freed memory may take to show in the probe after the stop."""
-    verify_free_poll_s: float = 0.1
+    verify_free_poll_s: float = 0.05
+    """The longest pause between two probe reads in verify-free: they start at 10 ms and
+    grow ×1.5 to this (issue 23)."""
     start_s: float = 90.0
     """The start job's deadline (``Type=simple`` units finish it at fork)."""
     verify_up_s: float = 120.0
@@ -62,10 +69,12 @@ class Timeouts:
     ``/health`` is 200. 120 s, not the former 600 s: an engine that never turns healthy
     held the device for ten minutes. A config slower than this records ``start_s``
     (measured) or ``start_timeout_s`` (the operator's bound); see :meth:`verify_up_bound`."""
-    health_first_poll_s: float = 0.05
-    health_max_poll_s: float = 0.1
-    """The pause between ``/health`` polls grows ×1.5 from 50 ms to this: a local GET
-    is cheap, and every 100 ms of pause is up to 100 ms added to a swap."""
+    health_first_poll_s: float = 0.01
+    health_max_poll_s: float = 0.05
+    """The pause between ``/health`` polls grows ×1.5 from 10 ms to this: a local GET
+    is cheap, and every 50 ms of pause is up to 50 ms added to a swap (issue 23: capped
+    at 100 ms a fake-engine swap took 1.043× the shell's, at 50 ms 1.005×); 20 GETs a
+    second at most do not slow a loading engine."""
     http_s: float = 2.0
     """One engine probe (``/health``, ``/v1/models``, ``/metrics``)."""
     rollback_up_s: float = 120.0
@@ -91,6 +100,18 @@ class Timeouts:
     ``max(floor, multiple × switch)``, ``switch`` = Σ victims' ``stop_s`` + the new
     config's cold start: what the operator already accepted to wait for the switch. Past
     twice that, waiting on in-flight work costs more than the switch itself; roll back."""
+    serving_check_s: float = 5.0
+    """How often every ``hot`` resident is re-checked while it serves (health, served id,
+    sleep state, the probe's memory; docs/placement-rules.md §4.2, "Serving is
+    re-checked"). One that stopped serving is unpublished within
+    :meth:`serving_bound_s` of the change."""
+
+    def serving_bound_s(self) -> float:
+        """The longest a ``hot`` resident that stopped serving stays published: one period,
+        a look that times out (``http_s`` per route: health, served ids, sleep state) and
+        the second look a silent engine gets (``CONFIRM_GONE_S`` plus another look)."""
+        look = 3 * self.http_s
+        return self.serving_check_s + look + min(0.5, self.serving_check_s) + look
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -245,6 +266,8 @@ MAX_WAIT_S = 86_400.0
 """A day: the most any wait of the file may say (docs/placement-rules.md §4.7)."""
 MAX_POLL_S = 10.0
 MAX_MULTIPLE = 100.0
+MAX_LEASE_S = 10.0
+"""A forward lease longer than this would hold every drain for nothing."""
 
 _Wait = Annotated[float, Field(gt=0, le=MAX_WAIT_S)]
 _Poll = Annotated[float, Field(gt=0, le=MAX_POLL_S)]
@@ -256,6 +279,7 @@ class _TimeoutsDoc(BaseModel):
 
     drain_s: _Wait | None = None
     drain_poll_s: float | None = Field(default=None, gt=0, le=0.25)
+    forward_lease_s: float | None = Field(default=None, gt=0, le=MAX_LEASE_S)
     stop_s: _Wait | None = None
     verify_free_s: _Wait | None = None
     verify_free_poll_s: _Poll | None = None
@@ -273,3 +297,4 @@ class _TimeoutsDoc(BaseModel):
     verify_free_floor_s: _Wait | None = None
     drain_multiple: _Multiple | None = None
     drain_floor_s: _Wait | None = None
+    serving_check_s: float | None = Field(default=None, gt=0, le=60.0)

@@ -78,6 +78,10 @@ def _bounded(table: Mapping[tuple[str, ...], object], labels: tuple[str, ...]) -
 
 
 def _count(table: dict[tuple[str, ...], int], labels: tuple[str, ...]) -> None:
+    count = table.get(labels)
+    if count is not None:  # the usual case: a series seen before, no bound to check
+        table[labels] = count + 1
+        return
     key = _bounded(table, labels)
     table[key] = table.get(key, 0) + 1
 

@@ -4,7 +4,8 @@
 ``/`` or ``/v1`` is dropped, since ``/health``, ``/slots`` and ``/metrics`` live
 at the root. Every probe has a short timeout (2 s unless given).
 
-:func:`metrics` parses the Prometheus text format into a flat dict:
+:func:`metrics` parses the Prometheus text format with ``prometheus_client``'s parser
+(``text_string_to_metric_families``) into a flat dict:
 
 - each sample under its series name: ``llamacpp:max_context`` → ``131072.0``,
   ``llamacpp:engine_info{kv="int8"}`` → ``1.0`` (labels as ``name="value"``,
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ValidationError
 
 from uapplace.core.validation import first_error_text
@@ -397,26 +399,31 @@ async def is_sleeping(
 
 
 def parse_prometheus(text: str) -> dict[str, float | str]:
-    """The flat dict of the module doc. Raises ``ValueError`` naming the bad line."""
-    samples: dict[str, float] = {}
+    """The flat dict of the module doc, read with ``prometheus_client``'s own text parser.
+    Raises ``ValueError`` naming the bad line (its number, the parser's why, the line)."""
+    try:
+        samples = [
+            sample
+            for family in text_string_to_metric_families(_untyped(text))
+            for sample in family.samples
+        ]
+    except ValueError:
+        raise _bad_line(text) from None
+    flat: dict[str, float] = {}
     aliases: dict[str, float] = {}
     info: dict[str, str] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            name, labels, value = _parse_sample(line)
-        except ValueError as err:
-            raise ValueError(f"metrics line {number}: {err}: {line[:120]!r}") from None
-        series = name if not labels else f"{name}{{{_format_labels(labels)}}}"
-        samples[series] = value
-        if not labels and ":" in name:
-            aliases.setdefault(name.rsplit(":", 1)[1], value)
-        if name.endswith("_info"):
-            for key, label_value in labels:
+    for sample in samples:
+        value = float(sample.value)
+        series = sample.name
+        if sample.labels:
+            series = f"{sample.name}{{{_format_labels(sample.labels)}}}"
+        flat[series] = value
+        if not sample.labels and ":" in sample.name:
+            aliases.setdefault(sample.name.rsplit(":", 1)[1], value)
+        if sample.name.endswith("_info"):
+            for key, label_value in sample.labels.items():
                 info.setdefault(key, label_value)
-    result: dict[str, float | str] = dict(samples)
+    result: dict[str, float | str] = dict(flat)
     for key, number_value in aliases.items():
         result.setdefault(key, number_value)
     for key, label_value in info.items():
@@ -424,71 +431,38 @@ def parse_prometheus(text: str) -> dict[str, float | str]:
     return result
 
 
-def _parse_sample(line: str) -> tuple[str, list[tuple[str, str]], float]:
-    end = 0
-    while end < len(line) and (line[end].isalnum() or line[end] in "_:"):
-        end += 1
-    name = line[:end]
-    if not name or name[0].isdigit():
-        raise ValueError("no metric name")
-    labels: list[tuple[str, str]] = []
-    rest = line[end:]
-    if rest.startswith("{"):
-        labels, rest = _parse_labels(rest)
-    fields = rest.split()
-    if not fields:
-        raise ValueError("no value")
-    return name, labels, _parse_value(fields[0])
+def _untyped(text: str) -> str:
+    """``text`` without its ``# TYPE`` lines, so every sample keeps the name it was served
+    under: typed, the parser renames a counter ``x`` to ``x_total`` (the OpenMetrics form),
+    and llama.cpp serves counters without ``_total`` (``llamacpp:n_tokens_max``) that
+    ``metricsMustMatch`` names as served. The flat dict has no use for the types."""
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("# TYPE"))
 
 
-def _parse_labels(text: str) -> tuple[list[tuple[str, str]], str]:
-    """``{a="x",b="y"} 1`` → ``([("a", "x"), ("b", "y")], " 1")``."""
-    labels: list[tuple[str, str]] = []
-    pos = 1
-    while True:
-        while pos < len(text) and text[pos] in " ,":
-            pos += 1
-        if pos < len(text) and text[pos] == "}":
-            return labels, text[pos + 1 :]
-        eq = text.find("=", pos)
-        if eq < 0 or eq + 1 >= len(text) or text[eq + 1] != '"':
-            raise ValueError("bad label")
-        key = text[pos:eq].strip()
-        value, pos = _parse_quoted(text, eq + 2)
-        labels.append((key, value))
-
-
-def _parse_quoted(text: str, pos: int) -> tuple[str, int]:
-    chars: list[str] = []
-    escapes = {"n": "\n", "\\": "\\", '"': '"'}
-    while pos < len(text):
-        char = text[pos]
-        if char == "\\" and pos + 1 < len(text):
-            chars.append(escapes.get(text[pos + 1], text[pos + 1]))
-            pos += 2
+def _bad_line(text: str) -> ValueError:
+    """The first line the parser refuses on its own, for the message (the whole text was
+    refused; a line that only fails beside others, such as a repeated ``# TYPE``, is
+    named as the text)."""
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
             continue
-        if char == '"':
-            return "".join(chars), pos + 1
-        chars.append(char)
-        pos += 1
-    raise ValueError("unterminated label value")
-
-
-def _parse_value(token: str) -> float:
-    special = {"+Inf": math.inf, "Inf": math.inf, "-Inf": -math.inf, "NaN": math.nan}
-    if token in special:
-        return special[token]
+        try:
+            list(text_string_to_metric_families(line + "\n"))
+        except ValueError as err:
+            return ValueError(f"metrics line {number}: {err}: {line[:120]!r}")
     try:
-        return float(token)
-    except ValueError:
-        raise ValueError(f"bad value {token!r}") from None
+        list(text_string_to_metric_families(_untyped(text)))
+    except ValueError as err:
+        return ValueError(f"metrics: {err}")
+    return ValueError("metrics: not the Prometheus text format")
 
 
-def _format_labels(labels: list[tuple[str, str]]) -> str:
+def _format_labels(labels: Mapping[str, str]) -> str:
     def escape(value: str) -> str:
         return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
-    return ",".join(f'{key}="{escape(value)}"' for key, value in labels)
+    return ",".join(f'{key}="{escape(value)}"' for key, value in labels.items())
 
 
 # --------------------------------------------------------------------------- the proxy

@@ -34,8 +34,10 @@ Probe states (:class:`ProbeState`): ``ok`` (a live number), ``probe_failed``
 (the engine did not answer usably: unreachable, timeout, 5xx, a body that is
 not what the route serves), ``unsupported`` (the engine answered but has no
 rail source: ``/slots`` 404/405/501 and no ``total_slots``; vLLM without the
-metric), ``not_probed`` (no endpoint to ask, or a sleeping engine that only
-``/slots`` could answer for). A failed probe is never read as
+metric), ``not_probed`` (no endpoint to ask, a sleeping engine that only
+``/slots`` could answer for, or a ``paused`` target: its weights are offloaded, so it
+has no usable rails, declared or live, until a wake; issue 21 item 6). A failed probe
+is never read as
 one rail: that is the bug docs/placement-rules.md §5 item 3 names (a default rail count
 standing in for a failed probe).
 
@@ -123,6 +125,9 @@ class LiveRails:
 
 
 NOT_PROBED = LiveRails(ProbeState.NOT_PROBED, detail="no endpoint to probe")
+PAUSED = LiveRails(
+    ProbeState.NOT_PROBED, detail="paused (weights offloaded): no usable rails until a wake"
+)
 
 
 @dataclass(frozen=True)
@@ -138,10 +143,14 @@ class TargetRails:
     declared_source: str | None
     """The registry's ``rails_source`` note, shown as it was written."""
     live: LiveRails
+    paused: bool = False
+    """Every resident on the target is ``paused``: no usable rails (module doc)."""
 
     @property
     def rails(self) -> int | None:
         """The figure to size a semaphore from (module doc: the smaller of the two)."""
+        if self.paused:
+            return None
         live = self.live.rails if self.live.state is ProbeState.OK else None
         known = [n for n in (self.declared, live) if n is not None]
         return min(known) if known else None
@@ -149,6 +158,8 @@ class TargetRails:
     @property
     def rails_source(self) -> RailsSource | None:
         """Where :attr:`rails` came from; the live source wins a tie (it confirmed it)."""
+        if self.paused:
+            return None
         if self.live.state is ProbeState.OK and self.live.rails == self.rails:
             return self.live.source
         if self.declared is not None:
@@ -416,6 +427,8 @@ class RailsQuery:
     declared_source: str | None = None
     router_model: str | None = None
     """The router model id, for one model of a llama.cpp router."""
+    paused: bool = False
+    """Only ``paused`` residents on the target: not probed, no usable rails."""
 
 
 async def target_rails(
@@ -423,13 +436,26 @@ async def target_rails(
 ) -> list[TargetRails]:
     """Probe every target at once; the answers come back in the same order."""
     rows = list(queries)
-    lives = await asyncio.gather(
-        *(probe_rails(q.endpoint, q.engine, timeout_s, q.router_model) for q in rows)
-    )
+    lives = await asyncio.gather(*(_probe(q, timeout_s) for q in rows))
     return [
-        TargetRails(q.target_id, q.model, q.engine, q.endpoint, q.declared, q.declared_source, live)
+        TargetRails(
+            q.target_id,
+            q.model,
+            q.engine,
+            q.endpoint,
+            q.declared,
+            q.declared_source,
+            live,
+            paused=q.paused,
+        )
         for q, live in zip(rows, lives, strict=True)
     ]
+
+
+async def _probe(query: RailsQuery, timeout_s: float) -> LiveRails:
+    if query.paused:  # nothing loaded to count, and a probe must not wake it
+        return PAUSED
+    return await probe_rails(query.endpoint, query.engine, timeout_s, query.router_model)
 
 
 def queries_for(residents: Iterable[Resident], models: Mapping[str, Model]) -> list[RailsQuery]:
@@ -453,6 +479,7 @@ def queries_for(residents: Iterable[Resident], models: Mapping[str, Model]) -> l
                 model.rails if model is not None else None,
                 model.rails_source if model is not None else None,
                 router_model_id(model) if model is not None and is_router_config(config) else None,
+                paused=resident.state is ResidentState.PAUSED,
             ),
         )
     return list(seen.values())

@@ -40,6 +40,9 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+# Re-exported: it splits what LogTail.appended_to makes; it lives in core so that the
+# light CLI (issue 23) reads a failed step's detail without importing pystemd.
+from uapplace.core.steps import split_last_lines as split_last_lines
 from uapplace.core.textsafe import printable
 from uapplace.io.units import LogFacts, UnitState, unit_name
 
@@ -245,15 +248,6 @@ class LogTail:
         if not self.lines:
             return f"{text}; {self.missing}"
         return f"{text}; {self.header()}:{self.block()}"
-
-
-def split_last_lines(text: str) -> tuple[str, str]:
-    """``(first line, the rest)`` of a text :meth:`LogTail.appended_to` made: the rest is
-    "" or the block of lines, starting with its newline (the first line then loses the
-    ``:`` that introduced it). Whoever adds words after a step's detail puts them on the
-    first line and the block last."""
-    head, newline, rest = text.partition("\n")
-    return (head.removesuffix(":") if newline else head), newline + rest
 
 
 def block_lines(block: str) -> list[str]:

@@ -4,8 +4,12 @@ No ``systemctl`` anywhere: :class:`UnitManager` talks to the user manager on
 the bus with pystemd (sd-bus), on two connections:
 
 - *calls*: synchronous method calls (``StartUnit``, ``GetAll`` …). sd-bus
-  blocks, so they run on one dedicated worker thread (an sd-bus connection
-  must not be used by two threads at once), never on the event loop.
+  blocks, and pystemd holds the GIL while it does, so by default they run in a
+  worker process that owns this connection (:mod:`uapplace.io.unitworker`;
+  docs/architecture.md, "Decision: pystemd's calls in a worker process"), never
+  on the event loop nor on a thread of it. ``in_process=True`` keeps them on one
+  dedicated thread instead (an sd-bus connection must not be used by two threads
+  at once): for short-lived tools with no loop to keep answering (the CLI).
 - *signals*: ``Subscribe()`` plus matches for ``JobRemoved`` and
   ``PropertiesChanged``; its fd is watched with ``loop.add_reader`` and drained
   with ``bus.process()`` on the loop thread (non-blocking).
@@ -34,12 +38,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pystemd.dbuslib import DBusAddress, apply_signature, path_decode
+from pystemd.dbuslib import DBusAddress, path_decode
 
 from uapplace.bus.util import user_bus_address
 from uapplace.core.model import Resident
 from uapplace.core.unitnames import unit_file_name, valid_unit_name
 from uapplace.files.jsonfile import atomic_write
+from uapplace.io.unitworker import Call, UnitWorker, WorkerCallError, WorkerGone, run_calls
 
 log = logging.getLogger(__name__)
 
@@ -331,12 +336,16 @@ class UnitManager:
     """Async facade over the systemd user manager. ``await connect()`` first, ``close()`` last.
 
     ``bus_address`` defaults to the user bus of the environment
-    (``DBUS_SESSION_BUS_ADDRESS``, else ``$XDG_RUNTIME_DIR/bus``).
+    (``DBUS_SESSION_BUS_ADDRESS``, else ``$XDG_RUNTIME_DIR/bus``). Method calls run in
+    a worker process (:class:`~uapplace.io.unitworker.UnitWorker`, replaced as soon as
+    it died), or with ``in_process=True`` on a thread of this process.
     """
 
-    def __init__(self, bus_address: str | None = None) -> None:
+    def __init__(self, bus_address: str | None = None, *, in_process: bool = False) -> None:
         self.bus_address = bus_address or user_bus_address()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uapplace-units")
+        self.unit_worker = None if in_process else UnitWorker(self.bus_address)
+        """The worker process's supervisor; ``None`` in process."""
         self._calls: Any = None
         self._signals: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -357,10 +366,12 @@ class UnitManager:
             return
         loop = asyncio.get_running_loop()
         try:
-            self._calls = await self._in_worker(self._open_bus)
+            await self._open_calls()
             self._signals = await self._in_worker(self._open_signal_bus)
         except Exception:
             await self._in_worker(self._close_buses)
+            if self.unit_worker is not None:
+                self.unit_worker.stop()
             raise
         self._loop = loop
         loop.add_reader(self._signals.get_fd(), self._drain_signals)
@@ -379,6 +390,8 @@ class UnitManager:
             if not waiter.done():
                 waiter.set_exception(UnitError("unit manager connection closed"))
         self._job_waiters.clear()
+        if self.unit_worker is not None:
+            self.unit_worker.close()
         # The worker may still be inside a call on _calls; close after it finishes.
         self._worker.submit(self._close_buses)
         self._worker.shutdown(wait=False)
@@ -406,7 +419,7 @@ class UnitManager:
         """The unit's current state (loads it if needed: a missing one is ``not-found``)."""
         unit = unit_name(name)
         self._require_connected()
-        state = await self._in_worker(self._read_state, unit)
+        state = await self._read_state(unit)
         # Signals may have moved on while we read: keep their fields, add ours.
         cached = self._states.get(unit)
         self._states[unit] = state if cached is None else signalled_with_read(cached, state)
@@ -416,12 +429,12 @@ class UnitManager:
         """Every process in the unit's cgroup (``GetUnitProcesses``); [] when not running."""
         unit = unit_name(name)
         self._require_connected()
-        return await self._in_worker(self._read_pids, unit)
+        return await self._read_pids(unit)
 
     async def reload(self) -> None:
         """``Reload()``: systemd answers once unit files and drop-ins are re-read."""
         self._require_connected()
-        await self._in_worker(self._call_manager, b"Reload", b"", [])
+        await self._call_manager(b"Reload", b"", [])
 
     def on_change(self, callback: Callable[[str, UnitState], None]) -> None:
         """Call ``callback(unit, state)`` on the loop whenever a unit's state changes.
@@ -441,9 +454,7 @@ class UnitManager:
         try:
             async with asyncio.timeout(limit):
                 try:
-                    reply = await self._in_worker(
-                        self._call_manager, method, b"ss", [unit.encode(), b"replace"]
-                    )
+                    reply = await self._call_manager(method, b"ss", [unit.encode(), b"replace"])
                 except UnitError as err:
                     return JobOutcome(unit, "error", None, str(err))
                 job = _text(reply)
@@ -474,6 +485,54 @@ class UnitManager:
     async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._worker, fn, *args)
+
+    async def _open_calls(self) -> None:
+        if self.unit_worker is None:
+            self._calls = await self._in_worker(self._open_bus)
+            return
+        try:
+            await self.unit_worker.start()
+        except (WorkerCallError, WorkerGone) as err:
+            raise UnitError(f"cannot connect to the user bus {self.bus_address}: {err}") from err
+
+    async def _run(self, calls: list[Call]) -> list[Any]:
+        """``calls`` in order, in the worker process or on the thread: their bodies."""
+        if self.unit_worker is None:
+            return await self._in_worker(self._run_here, calls)
+        try:
+            return await self.unit_worker.calls(calls)
+        except WorkerCallError as err:
+            raise UnitError(
+                f"{err.method}: {err}", no_such_unit=err.kind == "DBusNoSuchUnitError"
+            ) from err
+        except WorkerGone as err:
+            raise UnitError(f"{calls[0][3].decode()}: {err}") from err
+
+    async def _call_manager(self, method: bytes, signature: bytes, args: list[Any]) -> Any:
+        (body,) = await self._run([(SYSTEMD, MANAGER_PATH, MANAGER_IFACE, method, signature, args)])
+        return body
+
+    async def _read_state(self, unit: str) -> UnitState:
+        # One round trip: LoadUnit, then GetAll on the path it answered (None below).
+        calls: list[Call] = [
+            (SYSTEMD, MANAGER_PATH, MANAGER_IFACE, b"LoadUnit", b"s", [unit.encode()]),
+            (SYSTEMD, None, PROPERTIES_IFACE, b"GetAll", b"s", [UNIT_IFACE]),
+        ]
+        if unit.endswith(".service"):
+            calls.append((SYSTEMD, None, PROPERTIES_IFACE, b"GetAll", b"s", [SERVICE_IFACE]))
+        _path, props, *rest = await self._run(calls)
+        service: Mapping[bytes, Any] = rest[0] if rest else {}
+        state = _merge(_merge(_UNKNOWN, props), service)
+        return replace(state, log_facts=_log_facts(props, service))
+
+    async def _read_pids(self, unit: str) -> list[int]:
+        try:
+            processes = await self._call_manager(b"GetUnitProcesses", b"s", [unit.encode()])
+        except UnitError as err:
+            if err.no_such_unit:
+                return []
+            raise
+        return [int(pid) for _cgroup, pid, _cmd in processes]
 
     # Worker-thread side: the only code that touches self._calls.
 
@@ -511,41 +570,17 @@ class UnitManager:
         self._calls = None
         self._signals = None
 
-    def _call(
-        self, path: bytes, interface: bytes, method: bytes, signature: bytes, args: list[Any]
-    ) -> Any:
+    def _run_here(self, calls: list[Call]) -> list[Any]:
         if self._calls is None:
             raise UnitError("UnitManager is closed")
-        call_args = apply_signature(signature, args) if signature else []
         try:
-            return self._calls.call_method(SYSTEMD, path, interface, method, call_args).body
+            return run_calls(self._calls, calls)
         except Exception as err:
+            method = _text(getattr(err, "uapplace_method", b""))
             raise UnitError(
-                f"{method.decode()}: {_bus_error_text(err)}",
+                f"{method}: {_bus_error_text(err)}",
                 no_such_unit=type(err).__name__ == "DBusNoSuchUnitError",
             ) from err
-
-    def _call_manager(self, method: bytes, signature: bytes, args: list[Any]) -> Any:
-        return self._call(MANAGER_PATH, MANAGER_IFACE, method, signature, args)
-
-    def _read_state(self, unit: str) -> UnitState:
-        path = self._call_manager(b"LoadUnit", b"s", [unit.encode()])
-        props = self._call(path, PROPERTIES_IFACE, b"GetAll", b"s", [UNIT_IFACE])
-        state = _merge(_UNKNOWN, props)
-        service: Mapping[bytes, Any] = {}
-        if unit.endswith(".service"):
-            service = self._call(path, PROPERTIES_IFACE, b"GetAll", b"s", [SERVICE_IFACE])
-            state = _merge(state, service)
-        return replace(state, log_facts=_log_facts(props, service))
-
-    def _read_pids(self, unit: str) -> list[int]:
-        try:
-            processes = self._call_manager(b"GetUnitProcesses", b"s", [unit.encode()])
-        except UnitError as err:
-            if err.no_such_unit:
-                return []
-            raise
-        return [int(pid) for _cgroup, pid, _cmd in processes]
 
     # Loop side: the only code that touches self._signals.
 

@@ -2,11 +2,15 @@
 on the live engine: stop, memory back, cold and warm start to serving, and sleep/wake
 where the config has a sleep level (:class:`~uapplace.core.model.Envelope`).
 
-It takes the backend down and up, so it holds enforcement off while it runs
-(``exclusive``), and leaves the engine running and serving again when a step fails
-(:meth:`EnvelopeMeasurer._restore`). :class:`uapplace.measure.measurer.Measurer` owns one and
-hands ``measure_envelope`` to it; the written figures feed :mod:`uapplace.files.timeouts`
-and the planner's expected seconds.
+It takes the backend down and up, so it is a switch (issue 21, item 1;
+docs/placement-rules.md §4.1.1, "Measuring is a switch"): it runs inside a ``window``
+(:class:`uapplace.enforce.measuring.EnvelopeWindow` in the daemon) that checks the
+operator's ``PreviewUnload`` signature, refuses a held model and a router unit shared
+with other residents, drains the model's in-flight work, journals the run and holds
+enforcement off while it runs; and it leaves the engine running and serving again
+when a step fails (:meth:`EnvelopeMeasurer._restore`).
+:class:`uapplace.measure.measurer.Measurer` owns one and hands ``measure_envelope`` to it;
+the written figures feed :mod:`uapplace.files.timeouts` and the planner's expected seconds.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import psutil
@@ -35,6 +39,12 @@ take ten minutes (a large model's cold start) before it is abandoned."""
 ENVELOPE_POLL_S = 0.05
 """Between two looks while timing: the envelope's resolution."""
 
+SwitchWindow = Callable[
+    [str, Sequence[str]], contextlib.AbstractAsyncContextManager[Sequence[Mapping[str, Any]]]
+]
+"""``window(model, expected)``: the consented, drained, journaled window a measurement
+that stops ``model`` runs in; yields the run's steps so far (JSON rows)."""
+
 
 class EnvelopeMeasurer:
     """Times one config's envelope and records it in the machine-local registry."""
@@ -45,7 +55,7 @@ class EnvelopeMeasurer:
         reader: EngineReader,
         *,
         bound_s: float = ENVELOPE_BOUND_S,
-        exclusive: Callable[[str], contextlib.AbstractAsyncContextManager[None]] | None = None,
+        window: SwitchWindow | None = None,
         after_write: Callable[[], Awaitable[Any]] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -56,15 +66,21 @@ class EnvelopeMeasurer:
         self.bound_s = bound_s
         """The longest any one part of an envelope measurement may take (stop, memory
         back, start to serving, sleep, wake) before it is abandoned."""
-        self.exclusive = exclusive
-        """Holds enforcement off while an envelope is measured (``Enforcer.exclusive``):
-        a run must not plan around a unit this takes down and up."""
+        self.window = window
+        """The consent, drain, journal and one-run lock around the stops
+        (:data:`SwitchWindow`); ``None`` only where nothing else runs (unit fakes)."""
         self.after_write = after_write
         """Called once the local registry changed (the daemon re-reads its registry)."""
         self._clock = clock
 
-    async def measure(self, model: str, config: str = "") -> dict[str, Any]:
+    async def measure(
+        self, model: str, config: str = "", expected: Sequence[str] = ()
+    ) -> dict[str, Any]:
         """Take ``model``/``config`` down and up again, timing each part (:class:`Envelope`).
+
+        ``expected`` is the signature the operator approved (``PreviewUnload``'s: the
+        residents that stop); the window refuses any other (``Drifted``), a held model
+        and a shared router unit (``Busy``), and drains first.
 
         The engine must be running, healthy and already measured here (its footprint in
         the machine-local registry). Times are wall-clock seconds from the request to
@@ -88,11 +104,12 @@ class EnvelopeMeasurer:
                 f"{found.key}/{chosen.key} has no footprint measured on this machine: run "
                 f"`uapplace measure {found.key} {chosen.key}` first"
             )
-        label = f"{found.key}/{chosen.key}"
-        if self.exclusive is None:
-            return await self._envelope(found, chosen, unit_file_name(unit_key), endpoint)
-        async with self.exclusive(f"measure --envelope {label}"):
-            return await self._envelope(found, chosen, unit_file_name(unit_key), endpoint)
+        unit = unit_file_name(unit_key)
+        if self.window is None:
+            return await self._envelope(found, chosen, unit, endpoint)
+        async with self.window(found.key, expected) as steps:
+            result = await self._envelope(found, chosen, unit, endpoint)
+        return result | {"steps": list(steps)}
 
     async def _envelope(
         self, found: Model, chosen: Config, unit: str, endpoint: str

@@ -28,6 +28,13 @@ Two kinds of engine report it:
   it every request past the pool (the 32,768 cells a request names by default) would
   cost "unknown" and the config could never be placed (docs/placement-rules.md §4.4).
 
+- **vLLM** exports its cache in ``/metrics`` under the ``vllm:`` prefix (issue 21 item 8):
+  the labels of ``vllm:cache_config_info`` (``num_gpu_blocks``, ``block_size``,
+  ``cache_dtype``). Its pool is ``num_gpu_blocks × block_size`` cells, allocated at start
+  (``--gpu-memory-utilization``) and never grown, so ``kv_mib_per_1k_cells`` is 0 as for
+  llama.cpp; the KV dtype is ``cache_dtype`` (``auto``: the model's own dtype, recorded
+  as reported), the per-session cap ``--max-model-len`` from the live ``ExecStart``.
+
 Flags set through the environment (``LLAMA_ARG_N_PARALLEL``, ``LLAMA_ARG_CTX_SIZE``, …)
 or hidden in a wrapper script are not seen: without ``--parallel`` in ``ExecStart`` the
 pool recorded is one slot's ``n_ctx`` (unified), the least the pool can be.
@@ -47,6 +54,10 @@ LLAMA_CPP_DEFAULT_KV = "f16"
 """llama.cpp's ``--cache-type-k`` default."""
 FIXED_POOL_RATE = 0.0
 """``kv_mib_per_1k_cells`` of an engine whose pool is fixed at start (module doc)."""
+VLLM_PREFIX = "vllm:"
+"""vLLM's ``/metrics`` series prefix."""
+VLLM_CACHE_INFO = "vllm:cache_config_info"
+"""The vLLM info gauge whose labels describe its KV cache."""
 DIAGNOSTICS = ("expert_cache_mib", "arena_mib")
 """``/metrics`` figures recorded for diagnosis only, never in the cost."""
 
@@ -56,6 +67,7 @@ _UNIFIED = ("-kvu", "--kv-unified")
 _NOT_UNIFIED = ("-no-kvu", "--no-kv-unified")
 _PER_SLOT = ("--kv-unified-per-slot",)
 _CACHE_TYPE_K = ("-ctk", "--cache-type-k")
+_MAX_MODEL_LEN = "--max-model-len"
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,8 @@ class LaunchFlags:
     per_slot_limit: bool = False
     """``--kv-unified-per-slot`` was given."""
     cache_type_k: str | None = None
+    max_model_len: int | None = None
+    """vLLM's ``--max-model-len`` when positive: one request's context cap."""
 
     @property
     def unified(self) -> bool:
@@ -92,6 +106,7 @@ def launch_flags(exec_start: str) -> LaunchFlags:
     unified: bool | None = None
     per_slot = False
     cache_type: str | None = None
+    max_len: int | None = None
     for index, token in enumerate(tokens):
         value = tokens[index + 1] if index + 1 < len(tokens) else None
         if token in _CTX:
@@ -106,7 +121,9 @@ def launch_flags(exec_start: str) -> LaunchFlags:
             per_slot = True
         elif token in _CACHE_TYPE_K and value is not None:
             cache_type = value
-    return LaunchFlags(True, ctx, parallel, unified, per_slot, cache_type)
+        elif token == _MAX_MODEL_LEN:
+            max_len = _int_flag(value)
+    return LaunchFlags(True, ctx, parallel, unified, per_slot, cache_type, max_len)
 
 
 def launch_args(exec_start: str) -> tuple[str, ...]:
@@ -148,8 +165,12 @@ def kv_geometry(
     per_slot, slots = _slot_figures(props, slot_list, out)
     llama = props is not None and _props_n_ctx(props) is not None
     pool = _positive_int(metrics.get("max_context"))
+    vllm = _vllm_pool(metrics)
     if pool is not None:
         out.sources["context_pool_cells"] = "/metrics max_context"
+    elif vllm is not None:
+        pool = vllm
+        _vllm_geometry(config, metrics, flags, out)
     elif llama and per_slot is not None:
         pool, why = llama_cpp_pool(per_slot, slots, flags)
         out.sources["context_pool_cells"] = why
@@ -174,6 +195,47 @@ def kv_geometry(
             out.fields[name] = value
             out.sources[name] = f"/metrics {name} (diagnostic, never in the cost)"
     return out
+
+
+def _vllm_pool(metrics: Mapping[str, float | str]) -> int | None:
+    """vLLM's pool in cells from ``vllm:cache_config_info``'s labels (module doc)."""
+    if not any(key.startswith(VLLM_PREFIX) for key in metrics):
+        return None
+    blocks = _label_int(metrics.get("num_gpu_blocks"))
+    size = _label_int(metrics.get("block_size"))
+    return blocks * size if blocks is not None and size is not None else None
+
+
+def _vllm_geometry(
+    config: Config, metrics: Mapping[str, float | str], flags: LaunchFlags, out: Geometry
+) -> None:
+    """The rest of a vLLM's geometry beside its pool (module doc)."""
+    out.sources["context_pool_cells"] = (
+        f"/metrics {VLLM_CACHE_INFO} num_gpu_blocks {metrics.get('num_gpu_blocks')} × "
+        f"block_size {metrics.get('block_size')}"
+    )
+    if config.kv_mib_per_1k_cells is None:
+        out.fields["kv_mib_per_1k_cells"] = FIXED_POOL_RATE
+        out.sources["kv_mib_per_1k_cells"] = (
+            "0: vLLM allocates its whole KV pool at start (--gpu-memory-utilization) and "
+            "never grows it"
+        )
+    dtype = metrics.get("cache_dtype")
+    if isinstance(dtype, str) and dtype and not isinstance(metrics.get("kv"), str):
+        out.fields["kv"] = dtype
+        out.sources["kv"] = f"/metrics {VLLM_CACHE_INFO} cache_dtype"
+    if flags.max_model_len is not None and "per_session_cap_cells" not in out.fields:
+        out.fields["per_session_cap_cells"] = flags.max_model_len
+        out.sources["per_session_cap_cells"] = "ExecStart --max-model-len"
+
+
+def _label_int(value: float | str | None) -> int | None:
+    """A label value (a string in the flattened ``/metrics``) as a positive integer."""
+    try:
+        number = float(value) if value is not None else 0.0
+    except ValueError:
+        return None
+    return _positive_int(number)
 
 
 def llama_cpp_pool(per_slot: int, slots: int | None, flags: LaunchFlags) -> tuple[int, str]:

@@ -39,9 +39,16 @@ with ``measured_on``, ``measured_at`` and the host free RAM seen
 ``total − free − Σ(GPU memory of uapplace backends)``: whatever no backend
 accounts for, graphics memory included, attributed to a PID or not.
 
+- ``exec_start_sha256`` and ``measured_build``: the SHA-256 of the unit's live
+  ``ExecStart`` and the build the engine reports (llama.cpp ``/props`` ``build_info``,
+  vLLM ``/version``), so a later change of either makes the figures stale
+  (:mod:`uapplace.core.staleness`).
+
 Refused, with the reason, and nothing written (docs/placement-rules.md §4.1.1):
 
 - the unit is not running, or not healthy yet;
+- the engine is not idle: the proxy lists a request in flight for it, or the engine
+  itself says it is working (:mod:`uapplace.io.busy`, as the drain asks it);
 - the engine is asleep (``/props`` ``is_sleeping``: llama.cpp's
   ``--sleep-idle-seconds``; vLLM's ``/is_sleeping``), before or while it is read:
   asleep, it has given its memory back;
@@ -59,25 +66,26 @@ Refused, with the reason, and nothing written (docs/placement-rules.md §4.1.1):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import psutil
 
 from uapplace.core.errors import InvalidArgument
 from uapplace.core.model import Config, Device, DeviceKind, DeviceReading, Model, Registry, iso
+from uapplace.core.staleness import LiveLaunch, exec_start_digest
 from uapplace.core.unitnames import unit_file_name
 from uapplace.files.paths import Paths
 from uapplace.files.registry_write import write_local_device, write_local_measurement
-from uapplace.io import engines
+from uapplace.io import busy, engines
 from uapplace.io.devices import process_rss_mib
 from uapplace.io.seams import UnitControl
 from uapplace.io.units import UnitError
-from uapplace.measure.envelope import ENVELOPE_BOUND_S, EnvelopeMeasurer
+from uapplace.measure.envelope import ENVELOPE_BOUND_S, EnvelopeMeasurer, SwitchWindow
 from uapplace.measure.geometry import Geometry, kv_geometry, launch_args, launch_flags
+from uapplace.measure.launch import engine_build, read_live_launch
 from uapplace.measure.reading import (
     DEFAULT_FLOOR_MIB,
     EngineReader,
@@ -104,7 +112,7 @@ class Measurer:
         floor_mib: float = DEFAULT_FLOOR_MIB,
         http_s: float = engines.PROBE_TIMEOUT_S,
         envelope_bound_s: float = ENVELOPE_BOUND_S,
-        exclusive: Callable[[str], contextlib.AbstractAsyncContextManager[None]] | None = None,
+        window: SwitchWindow | None = None,
         after_write: Callable[[], Awaitable[Any]] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -116,7 +124,7 @@ class Measurer:
             paths,
             self.reader,
             bound_s=envelope_bound_s,
-            exclusive=exclusive,
+            window=window,
             after_write=after_write,
             clock=clock,
         )
@@ -142,6 +150,7 @@ class Measurer:
             raise InvalidArgument(f"{found.key}/{chosen.key} has no unit: nothing to measure")
         endpoint = found.endpoint_for(chosen)
         seen = await self.reader.read(registry, unit_file_name(unit), endpoint, chosen)
+        await self._refuse_busy(found, chosen, endpoint)
         await self._check_foreign(registry, seen)
         reserve = None
         if seen.reading.kind is not DeviceKind.CPU:
@@ -170,10 +179,17 @@ class Measurer:
             "device": shown,
         }
 
-    async def measure_envelope(self, model: str, config: str = "") -> dict[str, Any]:
-        """Take ``model``/``config`` down and up again, timing each part
+    async def measure_envelope(
+        self, model: str, config: str = "", expected: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """Take ``model``/``config`` down and up again, timing each part, under the
+        consent ``expected`` carries
         (:meth:`uapplace.measure.envelope.EnvelopeMeasurer.measure`)."""
-        return await self.envelope.measure(model, config)
+        return await self.envelope.measure(model, config, expected)
+
+    async def live_launch(self, registry: Registry) -> dict[str, LiveLaunch]:
+        """What each measured config's unit runs now (:func:`read_live_launch`)."""
+        return await read_live_launch(registry, self.units, self.reader.http_s)
 
     # ------------------------------------------------------------------ steps
 
@@ -235,7 +251,45 @@ class Measurer:
         fields["host_free_mib"] = round(host_free, 1)
         if found.engine_build is not None:
             fields["engine_build"] = found.engine_build
+        if seen.exec_start:
+            fields["exec_start_sha256"] = exec_start_digest(seen.exec_start)
+            sources["exec_start_sha256"] = f"SHA-256 of {seen.unit}'s live ExecStart"
+        build = await engine_build(endpoint, self.reader.http_s)
+        if build is not None:
+            fields["measured_build"] = build
+            sources["measured_build"] = "the build the engine reports (/props or /version)"
         return fields, sources, now
+
+    async def _refuse_busy(self, found: Model, chosen: Config, endpoint: str | None) -> None:
+        """A footprint is read at rest (docs/placement-rules.md §4.1.1): refused while the
+        proxy lists a request in flight for the resident, or the engine says it works.
+        A proxy that cannot answer is not held against it (the engine's word decides:
+        a measurement stops nothing, unlike a drain, where unknown counts as busy)."""
+        resident = next(
+            (r for r in self.host.residents() if (r.model, r.config) == (found.key, chosen.key)),
+            None,
+        )
+        listed = await self.host.inflight() if resident is not None else None
+        requests = listed.get(resident.target_id, ()) if listed and resident else ()
+        inflight = [h.client for h in requests]
+        if inflight:
+            raise MeasurementRefused(
+                f"{found.key}/{chosen.key} is not idle: {len(inflight)} request(s) in flight "
+                f"({', '.join(sorted(set(inflight)))}); measure once they ended"
+            )
+        if endpoint is None:
+            return
+        http_s = self.reader.http_s
+
+        async def fetch(route: str) -> tuple[int | None, str]:
+            return await engines.get_reply(endpoint, route, http_s)
+
+        work = await busy.ask(fetch)
+        if work.verdict is busy.Verdict.BUSY:
+            raise MeasurementRefused(
+                f"{found.key}/{chosen.key} is not idle: its engine says {work.text()}; "
+                "measure once its work ended"
+            )
 
     async def _check_foreign(self, registry: Registry, seen: EngineReading) -> None:
         """Refuse a reading that includes another backend's allocation."""

@@ -18,6 +18,7 @@ from uapplace.core.model import (
     Config,
     DeviceKind,
     DeviceReading,
+    Holder,
     Model,
     ProbeSource,
     Registry,
@@ -45,6 +46,10 @@ class MeasureHost(Protocol):
     def residents(self) -> Sequence[Resident]: ...
 
     async def read_devices(self) -> Mapping[str, DeviceReading]: ...
+
+    async def inflight(self) -> Mapping[str, Sequence[Holder]] | None:
+        """The proxy's in-flight list by target id; ``None``: unknown."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,15 @@ A unit a run is starting is not published here at all: the run's ``verify-up``
 enforcement run marked ``draining`` stays ``draining``
 (:meth:`EnforcementMarks.overlay`).
 
-While a resident is ``hot``, its :class:`~uapplace.publish.publication.SleepWatch` asks
-its engine every few seconds whether it sleeps on its own (llama.cpp's ``/props``
-``is_sleeping``, never ``/slots``, which wakes it) and shows it ``asleep`` — still
-``hot``, still forwarded to (docs/placement-rules.md §4.2, "Asleep is not paused").
+While a resident is ``hot``, the :class:`~uapplace.publish.publication.SleepWatch`
+re-checks it every ``serving_check_s`` and at once when its unit changes or the probe shows
+its memory collapsed (health, served id, sleep state, its processes' memory; never
+``/slots``, which wakes a
+llama.cpp): one that sleeps on its own is shown ``asleep``, still ``hot``
+(docs/placement-rules.md §4.2, "Asleep is not paused"); one asleep the way no request
+undoes, gone or serving another id goes back to ``warming`` (a ``not_serving`` alert)
+and is verified again like a unit that came up, re-published ``hot`` once it serves
+("Serving is re-checked").
 
 Reconcile (invariant 5, :meth:`UnitSync.sync_all`, run at start-up, after a
 registry reload and after a measurement): every registry unit's state is read
@@ -222,9 +227,14 @@ class UnitSync:
         self.http_s = http_s
         self._clock = clock
         self.sleep_watch = SleepWatch(
-            host, every_s=sleep_check_s or SLEEP_CHECK_S, http_s=http_s, publish=self._publish
+            host,
+            every_s=sleep_check_s or SLEEP_CHECK_S,
+            http_s=http_s,
+            publish=self._publish,
+            on_unpublished=self._reverify,
+            pids_of=self._resident_pids,
         )
-        """The periodic re-check of whether each hot resident's engine sleeps
+        """The serving re-check of every hot resident
         (:class:`~uapplace.publish.publication.SleepWatch`); ``sleep_check_s`` ``None``:
         not run (tests that count every HTTP call)."""
         self._sleep_check = sleep_check_s is not None
@@ -413,6 +423,8 @@ class UnitSync:
             return
         if resident.state is ResidentState.HOT:
             self._publish(resident)  # verified in this daemon's life, same engine
+            if self._sleep_check:
+                self.sleep_watch.poke()  # its unit changed: a sign to look again now
             return
         if resident.state is ResidentState.PAUSED:
             self._publish(resident)  # weights offloaded: only a resume publishes it again
@@ -423,8 +435,7 @@ class UnitSync:
 
     def _follow_router(self, unit: str, state: UnitState) -> bool:
         """A router's unit (module doc); ``False`` for any other unit."""
-        candidates = registry_units(self.host.registry()).get(unit, [])
-        if not candidates or not all(config.is_router_model for _, config in candidates):
+        if not self._is_router_unit(unit):
             return False
         for known in self._residents_of(unit):
             resident = _with_pid(known, state)
@@ -497,16 +508,37 @@ class UnitSync:
 
     # ------------------------------------------------------------------ verification
 
-    def _watch_publication(self, unit: str, resident: Resident, key: str = "") -> None:
+    def _watch_publication(
+        self, unit: str, resident: Resident, key: str = "", *, ask_sleep: bool = False
+    ) -> None:
         """Verify ``resident`` until it passes; one watcher per ``key`` (the unit, or a
         router model's ``unit#model/config``)."""
         key = key or unit
         current = self._watchers.get(key)
         if current is not None and not current.done():
             return
-        task = asyncio.create_task(self._until_verified(unit, resident), name=f"verify-{key}")
+        task = asyncio.create_task(
+            self._until_verified(unit, resident, ask_sleep=ask_sleep), name=f"verify-{key}"
+        )
         self._watchers[key] = task
         task.add_done_callback(lambda done: self._forget(key, done))
+
+    def _reverify(self, resident: Resident) -> None:
+        """The re-check unpublished ``resident``: verify it again like a unit that came
+        up (its engine must also not be asleep the way no request undoes)."""
+        if self._closed or not resident.unit:
+            return
+        unit = unit_file_name(resident.unit)
+        routed = self._is_router_unit(unit)
+        key = f"{unit}#{resident.signature}" if routed else unit
+        self._watch_publication(unit, resident, key, ask_sleep=True)
+
+    def _is_router_unit(self, unit: str) -> bool:
+        candidates = registry_units(self.host.registry()).get(unit, [])
+        return bool(candidates) and all(config.is_router_model for _, config in candidates)
+
+    async def _resident_pids(self, resident: Resident) -> list[int]:
+        return await self._pids(resident.unit) if resident.unit else []
 
     def _forget(self, unit: str, task: asyncio.Task[None]) -> None:
         if self._watchers.get(unit) is task:
@@ -517,7 +549,9 @@ class UnitSync:
         if task is not None:
             task.cancel()
 
-    async def _until_verified(self, unit: str, resident: Resident) -> None:
+    async def _until_verified(
+        self, unit: str, resident: Resident, *, ask_sleep: bool = False
+    ) -> None:
         """Check the engine until it passes (no deadline: a unit that stays up unverified
         stays ``warming``; the watcher ends when the unit goes down), then publish ``hot``."""
 
@@ -536,6 +570,7 @@ class UnitSync:
             first_poll_s=self.first_poll_s,
             max_poll_s=self.max_poll_s,
             http_s=self.http_s,
+            ask_sleep=ask_sleep,
         )
         if verified is not None and verified.state is not ResidentState.HOT:
             self._publish(replace(verified, state=ResidentState.HOT))

@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -55,7 +55,24 @@ from uapplace.io.seams import HTTP_ENGINES, EngineProbe
 from uapplace.io.units import DOWN_STATES, UnitState, state_text
 
 HEALTH_BACKOFF = 1.5
-"""Growth of the pause between two ``/health`` polls in :func:`wait_up`."""
+"""Growth of the pause between two polls (``/health`` in :func:`wait_up`, the probe in
+verify-free, the in-flight look in drain): a short first pause catches a readiness that
+comes at once, the growth and cap spare an engine that is still loading."""
+
+
+FIRST_POLL_S = 0.01
+"""The first pause of verify-free's and drain's polls (verify-up's is the timeouts'
+``health_first_poll_s``, 10 ms by default)."""
+
+
+def backoff(first_s: float, max_s: float) -> Iterator[float]:
+    """The pauses of one poll: ``first_s``, then ×:data:`HEALTH_BACKOFF` up to ``max_s``
+    (``first_s`` itself when it is the larger). Issue 23: a swap is felt at the pace of
+    its polls, so the first comes soon, and none waits longer than ``max_s``."""
+    pause = first_s
+    while True:
+        yield pause
+        pause = max(min(pause * HEALTH_BACKOFF, max_s), first_s)
 
 
 @dataclass(frozen=True)
@@ -326,7 +343,7 @@ async def wait_up(unit: str, endpoint: str | None, limit: float, watch: UnitWatc
     """Wait until ``unit`` is active and its ``/health`` is 200; ``None`` when it is,
     else why not. A unit that goes down ends the wait at once."""
     deadline = time.monotonic() + limit
-    interval = watch.first_poll_s
+    pauses = backoff(watch.first_poll_s, watch.max_poll_s)
     state = await watch.fresh_state()
     while True:
         watch.changed.clear()
@@ -344,8 +361,7 @@ async def wait_up(unit: str, endpoint: str | None, limit: float, watch: UnitWatc
             text = state_text(state) if state is not None else "unknown"
             return f"{unit} not healthy after {limit:g}s (unit {text})"
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(watch.changed.wait(), min(interval, remaining))
-        interval = min(interval * HEALTH_BACKOFF, watch.max_poll_s)
+            await asyncio.wait_for(watch.changed.wait(), min(next(pauses), remaining))
         state = watch.cached_state() or await watch.fresh_state()
 
 

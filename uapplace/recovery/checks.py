@@ -27,6 +27,7 @@ from uapplace.core.model import (
     ResidentState,
     processes_text,
 )
+from uapplace.core.steps import PAUSE, ROLLBACK_WAKE
 from uapplace.core.topology import verify_endpoint
 from uapplace.core.victims import config_of
 from uapplace.files.capacity import ServicePolicy
@@ -119,6 +120,26 @@ class RunChecks:
             return True
         config = config_of(self.host.registry(), resident)
         return config is not None and config.sleep_level is not None
+
+    def sleep_in_flight(self, victim: Resident) -> bool:
+        """The run died at its ``pause`` step with ``victim``'s sleep attempted: its
+        ``POST /sleep`` may still be running in the engine (an engine keeps answering a
+        request whose client died), so a check that sees it awake proves nothing yet."""
+        return (
+            self.record.step == PAUSE
+            and self.record.action_of(victim) == "pause"
+            and victim.signature in self.record.paused
+            and victim.endpoint is not None
+            and self._sleep_level(victim) is not None
+        )
+
+    def wake_in_flight(self, victim: Resident) -> bool:
+        """The run died while its rollback woke the victims it had paused."""
+        return self.record.step == ROLLBACK_WAKE and victim.signature in self.record.paused
+
+    def _sleep_level(self, resident: Resident) -> int | None:
+        config = config_of(self.host.registry(), resident)
+        return config.sleep_level if config is not None else None
 
     async def asleep(self, resident: Resident) -> bool:
         """``/is_sleeping`` says true (remembered for ``Repair._finish``)."""

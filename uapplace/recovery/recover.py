@@ -81,12 +81,29 @@ is the alert's (``recovery_done`` warning, or ``recovery_needed`` critical for H
 15  wake, …         cannot    any             victims NOT restored; it is     HUMAN
                     be put                    taken out of the ledger
                     to sleep
+16  pause           down      paused: its     send the same sleep again (it   rolled back
+                              sleep may be    is idempotent; the engine
+                              in flight       answers once asleep), seen
+                                              asleep → row 7
+17  pause           down      paused: the     not published: asleep →         HUMAN
+                              sleep cannot    ``paused``, else out of the
+                              be sent         ledger
+18  rollback-wake   down      paused: the     still asleep → row 7 (woken     rolled back /
+                              rollback's      again); awake → verify →        nothing
+                              wake in flight  ``hot``
 ==  ==============  ========  ==============  ==============================  ===========
 
 Rows 13-15 are tried first for a wake run (the journal's ``wake`` names the paused
 resident); its unit found down, it is dropped and the victims are rolled back. A
 wake run cut short before its ``wake`` step (``pause``/``stop``/``verify-free``)
-never sent the wake: row 14 at once, without waiting a wake bound.
+never sent the wake: row 14 at once, without waiting a wake bound. One cut short at
+``wake`` may have its wake in flight: row 13's verify polls within the wake bound.
+Rows 16-18 are the pause and wake rows of the rollback (issue 20): a request outlives
+the daemon that sent it (an engine keeps serving a ``/sleep`` whose client died), so a
+victim seen awake at step ``pause`` may fall asleep a second after a repair published
+it; its sleep is settled first. The alert's text says what the repair found (a sleep
+or wake in flight, a unit the run had stopped that is up again, each victim verified)
+besides what it did.
 
 Decisions where docs/invariants.md is silent:
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from uapplace.core.alerts import AlertKind
 from uapplace.core.model import Registry, Resident, ResidentState, resident_key
-from uapplace.core.steps import PAUSE, STOP, VERIFY_FREE
+from uapplace.core.steps import PAUSE, STOP, VERIFY_FREE, WAKE
+from uapplace.core.unitnames import unit_file_name
 from uapplace.core.victims import config_of
 from uapplace.enforce.run import paused_resident
 from uapplace.files.journal import RunRecord
@@ -71,7 +72,10 @@ class Repair:
         self.actions: list[str] = []
         self.problems: list[str] = []
         self.changed = False
-        """Whether the repair changed a unit or an engine (stop, start, wake)."""
+        """Whether the repair changed a unit or an engine (stop, start, sleep, wake)."""
+        self.found: list[str] = []
+        """What the repair found that the journal alone does not say: a sleep or wake in
+        flight, a unit up again that the run had stopped (the alert says it)."""
 
     # ------------------------------------------------------------------ the table
 
@@ -105,6 +109,11 @@ class Repair:
                     f"the run was cut short at {self.record.step}, before the wake"
                 )
             else:
+                if self.record.step == WAKE:
+                    self.found.append(
+                        f"{twin.signature}'s wake may have been in flight (journal step wake): "
+                        "waited for its engine within the wake bound"
+                    )
                 why_not = await self._why_not_finish(lambda: self.checks.verify_woken(twin))
             if why_not is None:
                 return self._finish(self._published_twin(twin))
@@ -281,21 +290,76 @@ class Repair:
         (the unit sync re-verifies the running unit before publishing it).
         """
         before = _before_run(victim)
+        self._note_stopped_and_up(victim)
+        if self.checks.sleep_in_flight(victim) and not await self._settle_sleep(victim):
+            return
+        wake_in_flight = self.checks.wake_in_flight(victim)
         if await self.checks.asleep(victim):
+            if wake_in_flight:
+                self.found.append(
+                    f"{victim.signature}'s wake (the rollback's) was in flight and it is still "
+                    "asleep"
+                )
             if before is ResidentState.PAUSED:
                 self.host.put_resident(victim)
                 return
             if not await self._wake(victim):
                 return
+        elif wake_in_flight:
+            self.found.append(
+                f"{victim.signature}'s wake (the rollback's) was in flight: found it awake"
+            )
         why = await self.checks.verify_victim(victim)
         if why is None:
             self.host.put_resident(replace(victim, state=ResidentState.HOT))
+            self.found.append(f"{victim.signature} verified serving, published hot")
             return
         self.problems.append(f"{victim.signature} not published: {why}")
         if await self.checks.asleep(victim):
             self.host.put_resident(_paused(self.host.registry(), victim))
         else:
             self._drop_if_published(victim)
+
+    def _note_stopped_and_up(self, victim: Resident) -> None:
+        unit = unit_of(victim)
+        if unit is not None and unit_file_name(unit) in {
+            unit_file_name(u) for u in self.record.stopped_units
+        }:
+            self.found.append(
+                f"{unit}, which the run was stopping (journal step stop), is running: its "
+                "stop had not happened"
+                if self.record.step == STOP
+                else f"{unit}, which the run had stopped, is up again (started outside this repair)"
+            )
+
+    async def _settle_sleep(self, victim: Resident) -> bool:
+        """The run died with ``victim``'s ``POST /sleep`` possibly in flight (journal step
+        ``pause``): the engine may fall asleep after a repair that saw it awake published
+        it. The same sleep is sent again (a sleep is idempotent and the engine answers it
+        once it sleeps), so its state is settled and seen before anything is decided; the
+        rollback then wakes it (row 7). ``False`` (a problem recorded, never ``hot``) when
+        the sleep cannot be sent."""
+        assert victim.endpoint is not None
+        config = config_of(self.host.registry(), victim)
+        level = (config.sleep_level if config is not None else None) or 1
+        try:
+            await self.probe.sleep(victim.endpoint, level, self.timeouts.stop_s)
+        except (engines.EngineError, ValueError) as err:
+            self.problems.append(
+                f"{victim.signature}: its sleep was in flight when uapplaced died and could "
+                f"not be settled (POST /sleep level {level}: {err}); not published"
+            )
+            if await self.checks.asleep(victim):
+                self.host.put_resident(_paused(self.host.registry(), victim))
+            else:
+                self._drop_if_published(victim)
+            return False
+        self.changed = True
+        self.found.append(
+            f"{victim.signature}'s sleep was in flight when uapplaced died (journal step pause): "
+            f"let it finish (POST /sleep level {level} answered) before waking it"
+        )
+        return True
 
     async def _wake(self, victim: Resident) -> bool:
         assert victim.endpoint is not None
@@ -337,12 +401,14 @@ class Repair:
             "by a restart of uapplaced"
         )
         verdicts = {
-            Outcome.NOTHING_CHANGED: "no unit had changed; nothing to repair",
+            Outcome.NOTHING_CHANGED: "nothing to repair",
             Outcome.FINISHED: "finished",
             Outcome.ROLLED_BACK: "rolled back",
             Outcome.NEEDS_HUMAN: "could NOT be repaired: a human must look",
         }
         parts = [f"{head}: {verdicts[outcome]}"]
+        if self.found:
+            parts.append("found: " + "; ".join(self.found))
         if self.actions:
             parts.append("; ".join(self.actions))
         if self.problems:

@@ -56,7 +56,7 @@ mid-body is a debug line, not an error; a request aiohttp cannot parse is one
 INFO line, never a traceback. Each SSE subscriber reads its own bounded queue and a
 slow one is dropped with a final ``StreamClosed`` event (docs/http-contract.md §5).
 
-Why 14 modules: the shim is one process with its own command line, sockets, middleware,
+Why 14 modules: the shim is one process with its own command line, sockets, guard,
 routes, bodies and exposition; each concern below is one module, and none of them is
 used outside the shim.
 
@@ -65,7 +65,7 @@ The modules, each owning one concern:
 - :mod:`~uapplace.shim.server`: the command line, the sockets, the serve loop (:func:`main`);
 - :mod:`~uapplace.shim.overload`: the connection cap, descriptor limits, quiet bad requests;
 - :mod:`~uapplace.shim.peers`: each connection's peer uid, the gate for other users;
-- :mod:`~uapplace.shim.app`: the aiohttp app, its middleware and lifecycle;
+- :mod:`~uapplace.shim.app`: the aiohttp app, the guard around every route, its lifecycle;
 - :mod:`~uapplace.shim.routes`: the route table;
 - :mod:`~uapplace.shim.access`: loopback, ``Host``/``Origin``, JSON-only admit, the token;
 - :mod:`~uapplace.shim.handlers`: each route's bus call and the status mapping;

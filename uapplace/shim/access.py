@@ -1,10 +1,10 @@
 """Who may call the shim: loopback peers, loopback ``Host`` and ``Origin``, JSON-only admit,
 and the dashboard token's comparison (its file: :mod:`uapplace.files.token`).
 
-:func:`check_access` runs on every request before its handler (from the app's
-middleware); the handlers add :func:`require_json` (admit) and the token check
-(writes). Why each rule: a web page the operator visits must not reach the
-shim — it cannot send ``application/json`` cross-site without a preflight, nor
+:func:`check_access` runs on every request before its handler (the guard around
+each route, :func:`uapplace.shim.app.guarded`); the handlers add :func:`require_json`
+(admit) and the token check (writes). Why each rule: a web page the operator visits
+must not reach the shim — it cannot send ``application/json`` cross-site without a preflight, nor
 drop ``Origin``, and a DNS name rebound to 127.0.0.1 still sends its own
 ``Host`` — and only the operator (who can read the token file) may change
 placements.

@@ -15,14 +15,14 @@ import asyncio
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from uapplace.core.admission import MAX_MODEL_ID_CHARS
-from uapplace.core.model import DEFAULT_CELLS, PAUSE_SUFFIX
+from uapplace.core.model import DEFAULT_CELLS, PAUSE_SUFFIX, VictimAction
 from uapplace.core.validation import first_error
 from uapplace.shim.responses import ClientGone, HttpError, shown
 
@@ -40,6 +40,8 @@ def check_bus_text(value: str) -> str:
     """A string the bus can carry: valid Unicode (no lone surrogates) and no NUL."""
     if "\x00" in value:
         raise ValueError("must not contain NUL characters")
+    if value.isascii():  # the usual id: ASCII always encodes, so no trial encoding
+        return value
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -61,8 +63,9 @@ class VictimRefBody(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: BusText
     config: BusText
-    action: Literal["stop", "pause"] = "stop"
-    """A preview victim's ``action`` (issue 12): approving a pause is not approving a stop."""
+    action: VictimAction
+    """A preview victim's ``action`` (issue 12): approving a pause is not approving a stop.
+    Required (issue 20): a missing one is a 400 naming the field, never a default stop."""
 
 
 class ResolveBody(_Body):
@@ -93,7 +96,7 @@ class ModelBody(_Body):
 
 MISSING_SIGNATURE = (
     "expected_victims is required when the call would stop something: send the victims "
-    "the operator approved ([{model, config}], as preview/pending show them)"
+    "the operator approved ([{model, config, action}], as preview/pending show them)"
 )
 
 
@@ -152,19 +155,17 @@ def parse_admit(payload: Mapping[str, Any]) -> AdmitRequest:
     model_id = payload.get("model_id")
     if model_id is None or model_id == "":
         raise HttpError(400, "missing model_id")
-    text_fields = {
-        "model_id": model_id,
-        "client": payload.get("client"),
-        "session": payload.get("session"),
-    }
-    for name, value in text_fields.items():
-        if value is not None and not isinstance(value, str):
+    client = payload.get("client")
+    session = payload.get("session")
+    for name, value in (("model_id", model_id), ("client", client), ("session", session)):
+        if value is None:
+            continue
+        if not isinstance(value, str):
             raise HttpError(400, f"{name} must be a string, got {type(value).__name__}")
-        if isinstance(value, str):
-            try:
-                check_bus_text(value)
-            except ValueError as err:
-                raise HttpError(400, f"{name} {err}") from None
+        try:
+            check_bus_text(value)
+        except ValueError as err:
+            raise HttpError(400, f"{name} {err}") from None
     if len(model_id) > MAX_MODEL_ID_CHARS:  # the daemon parks these invalid_request, no entry
         raise HttpError(400, f"model_id longer than {MAX_MODEL_ID_CHARS} characters")
     cells = payload.get("cells")
@@ -174,8 +175,8 @@ def parse_admit(payload: Mapping[str, Any]) -> AdmitRequest:
         cells_used = DEFAULT_CELLS
     return AdmitRequest(
         model_id=model_id,
-        client=(payload.get("client") or "")[:FIELD_LIMIT],
-        session=(payload.get("session") or "")[:FIELD_LIMIT],
+        client=(client or "")[:FIELD_LIMIT],
+        session=(session or "")[:FIELD_LIMIT],
         cells=cells_used,
     )
 
@@ -221,7 +222,12 @@ async def read_body(request: web.Request, limit_s: float) -> bytes:
     declared = request.content_length
     if declared is not None and declared > BODY_LIMIT:
         raise HttpError(413, f"request body over {BODY_LIMIT} bytes")
+    content = request.content
     try:
+        if declared is not None and content.is_eof():
+            # All of it came with the head (the proxy's small admit always does): nothing
+            # to wait for, so no timer to arm and cancel (issue 23).
+            return content.read_nowait()
         async with asyncio.timeout(limit_s):
             return await _read_body_within_limit(request)
     except TimeoutError:

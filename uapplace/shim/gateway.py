@@ -171,7 +171,9 @@ class BusGateway:
         outcome = "ok"
         try:
             async with asyncio.timeout(deadline):
-                peer = await self._peer_client() if via_peer else None
+                peer = None
+                if via_peer:  # the usual case, an open peer link, without a coroutine
+                    peer = self._peer if self.on_peer else await self._peer_client()
                 if peer is not None:
                     try:
                         return await work(peer)
@@ -204,6 +206,6 @@ class BusGateway:
                 raise DaemonUnavailable(f"{method}: bus connection lost ({err})") from None
             raise HttpError(502, f"bus call {method} failed: {type(err).__name__}: {err}") from None
         finally:
-            self.metrics.bus_seconds.labels(method).observe(time.perf_counter() - started)
+            self.metrics.observe_bus_call(method, time.perf_counter() - started)
             if outcome != "ok":
                 self.metrics.bus_errors.labels(method, outcome).inc()

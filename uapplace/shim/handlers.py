@@ -3,7 +3,7 @@ answer mapped to HTTP.
 
 Built by :func:`uapplace.shim.app.create_app`, which registers each method on its
 path (:data:`uapplace.shim.routes.ROUTES`); access checks common to every route
-have run by then (the middleware). The shim holds no placement state: the
+have run by then (:func:`uapplace.shim.app.guarded`). The shim holds no placement state: the
 daemon's JSON for state, pending, preview and the auto policy passes through
 byte for byte; Apply/Load/Unload results are parsed (the metrics count their
 outcome) and sent compact, unchanged in content.
@@ -66,7 +66,14 @@ from uapplace.shim.gateway import BusGateway, BusWork, DaemonUnavailable
 from uapplace.shim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from uapplace.shim.metrics import ShimMetrics
 from uapplace.shim.openapi import openapi_document
-from uapplace.shim.responses import HttpError, json_response, raw_json_response, shown
+from uapplace.shim.responses import (
+    HttpError,
+    encode_json,
+    encoded_json_response,
+    json_response,
+    raw_json_response,
+    shown,
+)
 from uapplace.shim.routes import ROUTES
 from uapplace.shim.settings import ShimSettings
 
@@ -86,6 +93,8 @@ ADMIT_REPLY_MARGIN_S = 0.25
 """Of the admit deadline, what the daemon leaves for its reply to reach us (``AdmitBy``)."""
 DEADLINE_PASSED = "deadline_passed"
 SCRAPE_DEADLINE_S = 2.0
+FORWARD_ANSWERS_KEPT = 256
+"""Forward answers kept encoded (one per target the daemon named); more start the set anew."""
 
 ModelCall = Callable[[PlacementClient, str, Sequence[str]], Awaitable[Any]]
 """``PlacementClient.load`` or ``.unload``: (client, model, expected victims) → result."""
@@ -98,6 +107,7 @@ class Shim:
     events: EventLog = field(default_factory=EventLog)
     """The daemon's signals, numbered, for ``GET /api/placement/events`` (fed by
     :class:`uapplace.shim.events.EventFeed`, started with the app)."""
+    _forward_answers: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def metrics(self) -> ShimMetrics:
@@ -135,7 +145,7 @@ class Shim:
     # ------------------------------------------------------------- admit
 
     async def admit(self, request: web.Request) -> web.Response:
-        if not is_loopback_peer(request):
+        if not is_loopback_peer(request):  # the guard checked; this handler stands alone
             raise HttpError(403, ADMIT_LOOPBACK_ONLY)
         require_json(request)
         admit = parse_admit(await read_json_object(request, self.settings.body_timeout))
@@ -154,9 +164,10 @@ class Shim:
         if answer.get("reason") == DEADLINE_PASSED and not answer.get("placement_id"):
             raise HttpError(503, "placement daemon unavailable: it answered after the deadline")
         decision = answer.get("decision")
-        if decision == "forward":
-            body = {"decision": "forward", "target_id": answer["target_id"]}
-        elif decision == "park":
+        if decision == "forward":  # nearly every admit: its bytes are kept per target
+            self.metrics.count_admit("forward", "")
+            return encoded_json_response(self.forward_answer(answer["target_id"]))
+        if decision == "park":
             body = {
                 "decision": "park",
                 "placement_id": answer["placement_id"],
@@ -164,8 +175,18 @@ class Shim:
             }
         else:
             raise HttpError(502, f"the daemon answered an unknown decision {shown(str(decision))}")
-        self.metrics.admits.labels(body["decision"], body.get("reason", "")).inc()
+        self.metrics.count_admit("park", body["reason"])
         return json_response(body)
+
+    def forward_answer(self, target_id: str) -> bytes:
+        """``{"decision":"forward","target_id":…}`` as sent, encoded once per target."""
+        encoded = self._forward_answers.get(target_id)
+        if encoded is None:
+            if len(self._forward_answers) >= FORWARD_ANSWERS_KEPT:
+                self._forward_answers.clear()
+            encoded = encode_json({"decision": "forward", "target_id": target_id})
+            self._forward_answers[target_id] = encoded
+        return encoded
 
     # ------------------------------------------------------------- reads
 

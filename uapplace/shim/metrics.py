@@ -26,6 +26,7 @@ synchronous step, so two scrapes on the event loop never see each other's docume
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -387,18 +388,52 @@ def _registry() -> CollectorRegistry:
     return CollectorRegistry(auto_describe=True)
 
 
+HOST_LABEL_ENV = "UAPPLACE_HOST_LABEL"
+"""When set (the shim unit's ``Environment=``), every series carries ``host="<value>"``:
+for a fleet whose scraper cannot add the host itself (docs/fleet.md)."""
+
+
+def _host_from_env() -> str | None:
+    return os.environ.get(HOST_LABEL_ENV) or None
+
+
+class HostLabelled:
+    """A collector that is ``registry`` with ``host`` added to every sample's labels."""
+
+    def __init__(self, registry: CollectorRegistry, host: str) -> None:
+        self.registry = registry
+        self.host = host
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            labelled = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            labelled.samples = [
+                sample._replace(labels={**sample.labels, "host": self.host})
+                for sample in metric.samples
+            ]
+            yield labelled
+
+
 @dataclass
 class ShimMetrics:
     """The shim's registry and its instruments (``.labels(...).inc()`` / ``.observe()``)."""
 
     registry: CollectorRegistry = field(default_factory=_registry)
     daemon_state: DaemonStateCollector = field(default_factory=DaemonStateCollector)
+    host: str | None = field(default_factory=_host_from_env)
+    """The ``host`` label on every series (:data:`HOST_LABEL_ENV`); ``None``: none."""
     admits: Counter = field(init=False)
     enforcements: Counter = field(init=False)
     enforcement_seconds: Histogram = field(init=False)
     bus_seconds: Histogram = field(init=False)
     bus_errors: Counter = field(init=False)
     responses: Counter = field(init=False)
+    # prometheus_client's ``labels()`` costs a lock and a few µs per call: every request
+    # pays for it, so the label sets seen (a handful of routes, statuses, reasons) keep
+    # their children here (issue 23).
+    _responses: dict[tuple[str, int], Counter] = field(init=False, default_factory=dict)
+    _admits: dict[tuple[str, str], Counter] = field(init=False, default_factory=dict)
+    _bus_seconds: dict[str, Histogram] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.admits = Counter(
@@ -441,11 +476,33 @@ class ShimMetrics:
         )
         self.registry.register(self.daemon_state)
 
+    def count_response(self, route: str, status: int) -> None:
+        """``uapplace_shim_http_responses_total{route,status}`` + 1 (its child cached)."""
+        child = self._responses.get((route, status))
+        if child is None:
+            child = self._responses[(route, status)] = self.responses.labels(route, str(status))
+        child.inc()
+
+    def count_admit(self, decision: str, reason: str) -> None:
+        """``uapplace_shim_admits_total{decision,reason}`` + 1 (its child cached)."""
+        child = self._admits.get((decision, reason))
+        if child is None:
+            child = self._admits[(decision, reason)] = self.admits.labels(decision, reason)
+        child.inc()
+
+    def observe_bus_call(self, method: str, seconds: float) -> None:
+        """``uapplace_shim_bus_call_duration_seconds{method}`` (its child cached)."""
+        child = self._bus_seconds.get(method)
+        if child is None:
+            child = self._bus_seconds[method] = self.bus_seconds.labels(method)
+        child.observe(seconds)
+
     def exposition(self, state: Mapping[str, Any] | None) -> bytes:
         """The text format 0.0.4 of everything, ``state`` being this scrape's ``GetState``."""
         self.daemon_state.state = state
+        exposed = self.registry if self.host is None else HostLabelled(self.registry, self.host)
         try:
-            return generate_latest(self.registry)
+            return generate_latest(exposed)
         finally:
             self.daemon_state.state = None
 

@@ -3,8 +3,8 @@
 Every module of :mod:`uapplace.shim` that answers a request builds its response
 here, so all of them write JSON the same way: compact (``separators=(",", ":")``),
 UTF-8, no ASCII escaping, like the published controller's ``JSON.stringify``.
-The handlers raise :class:`HttpError`; the app's middleware
-(:func:`uapplace.shim.app.make_middleware`) turns it into the response.
+The handlers raise :class:`HttpError`; the guard around every route
+(:func:`uapplace.shim.app.guarded`) turns it into the response.
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ from typing import Any
 from aiohttp import web
 
 JSON_CONTENT_TYPE = "application/json"
+_JSON_HEADERS = {"Content-Type": f"{JSON_CONTENT_TYPE}; charset=utf-8"}
+"""What ``content_type=JSON_CONTENT_TYPE, charset="utf-8"`` makes aiohttp write, built once."""
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_COMPACT_ASCII = json.JSONEncoder(separators=(",", ":"))
+"""``json.dumps`` with these arguments builds an encoder per call; the hot path keeps two."""
 
 
 class HttpError(Exception):
@@ -44,16 +49,18 @@ class ClientGone(Exception):
 
 def encode_json(value: Any) -> bytes:
     """Compact UTF-8 JSON; ASCII escapes only when a string holds a lone surrogate."""
-    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    text = _COMPACT.encode(value)
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:
-        return json.dumps(value, separators=(",", ":")).encode("ascii")
+        return _COMPACT_ASCII.encode(value).encode("ascii")
 
 
 def json_response(
     value: Any, status: int = 200, headers: Mapping[str, str] | None = None
 ) -> web.Response:
+    if headers is None:  # every answer but a 405: the same header bytes, built once
+        return web.Response(body=encode_json(value), status=status, headers=_JSON_HEADERS)
     return web.Response(
         body=encode_json(value),
         status=status,
@@ -65,9 +72,12 @@ def json_response(
 
 def raw_json_response(text: str, status: int = 200) -> web.Response:
     """JSON text from the bus, passed through unchanged."""
-    return web.Response(
-        body=text.encode("utf-8"), status=status, content_type=JSON_CONTENT_TYPE, charset="utf-8"
-    )
+    return encoded_json_response(text.encode("utf-8"), status)
+
+
+def encoded_json_response(body: bytes, status: int = 200) -> web.Response:
+    """JSON already encoded (:func:`encode_json`, or the daemon's text)."""
+    return web.Response(body=body, status=status, headers=_JSON_HEADERS)
 
 
 def error_response(

@@ -77,7 +77,9 @@ Sleep mode (``--sleep-mode``, vLLM's ``--enable-sleep-mode`` with
   re-touches the host memory level 2 dropped), then answers 200. With
   ``--fail-wake``, or when the claim does not fit, it answers 500 and stays
   asleep. Waking an engine that is awake is a no-op 200.
-- ``GET /is_sleeping``: ``{"is_sleeping": bool}``.
+- ``GET /is_sleeping``: ``{"is_sleeping": bool}``; ``/props`` then carries no
+  ``is_sleeping`` (vLLM has no ``/props``; llama.cpp's ``/props`` ``is_sleeping`` is its
+  idle sleep, which wakes on a request, and uapplace keeps serving to that one).
 - While sleeping (and waking) ``/health`` stays 200 and ``/v1/models`` still
   lists the model, as vLLM does; completions answer 503.
 - Without ``--sleep-mode`` the three routes answer 404, like vLLM without them.
@@ -496,6 +498,10 @@ class FakeEngine:
             return failing
         opts = self.options
         settings = {"n_predict": -1, "max_tokens": -1, "stream": False, "temperature": 0.8}
+        # In sleep mode the engine stands for vLLM, whose sleep is ``/is_sleeping``'s alone:
+        # a ``/props`` ``is_sleeping`` would pass its sleep off as llama.cpp's idle sleep,
+        # which wakes on a request (docs/placement-rules.md §4.2, "Asleep is not paused").
+        sleeping = {} if opts.sleep_mode else {"is_sleeping": self.asleep}
         return web.json_response(
             {
                 "default_generation_settings": {"params": settings, "n_ctx": opts.slot_ctx},
@@ -508,7 +514,7 @@ class FakeEngine:
                 "endpoint_props": False,
                 "endpoint_metrics": True,
                 "build_info": BUILD_INFO,
-                "is_sleeping": self.asleep,
+                **sleeping,
             }
         )
 

@@ -1,0 +1,77 @@
+"""A generated backend's model entry in the machine-local registry (``uapplace unit add``).
+
+``uapplace unit add NAME`` writes the unit from a template and, here, the model ``NAME``
+into ``$UAP_HOME/model-registry.json``: ``display``, ``engine``, ``unit``, ``endpoint``,
+``advertises``, an affinity device when given, and one config with ``status:
+"unmeasured"``: it places nothing until ``uapplace measure NAME`` records its footprint
+(docs/placement-rules.md §4.1: only measured figures of this machine count).
+
+The same discipline as :mod:`uapplace.files.registry_write`: re-read the file, change
+one model, validate the whole document against the local schema, replace it atomically.
+An entry is ours while its ``unit`` is the generated unit's name: :func:`remove_local_model`
+leaves any other entry of that name alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from uapplace.files import jsonfile
+from uapplace.files.jsonfile import ConfigFileError
+from uapplace.files.registry_schema import LocalRegistryDoc, json_path, parse_doc
+
+
+def read_local(path: Path) -> dict[str, Any]:
+    """The local registry as a JSON object (``{"version": 1}`` when there is none)."""
+    if not path.exists():
+        return {"version": 1}
+    raw = jsonfile.read_json(path, trusted=True)
+    if not isinstance(raw, dict):
+        raise ConfigFileError(path, "$", "expected a JSON object at the top level")
+    return raw
+
+
+def _models(doc: dict[str, Any], path: Path) -> dict[str, Any]:
+    models = doc.setdefault("models", {})
+    if not isinstance(models, dict):
+        raise ConfigFileError(path, "$.models", "expected a JSON object")
+    return models
+
+
+def write_local_model(path: Path, key: str, entry: Mapping[str, Any], replace: bool) -> None:
+    """Add model ``key`` (replacing one of that name only with ``replace``)."""
+    doc = read_local(path)
+    models = _models(doc, path)
+    if key in models and not replace:
+        raise ConfigFileError(
+            path,
+            json_path(("models", key)),
+            f"the local registry already has a model {key!r} (--force replaces it)",
+        )
+    models[key] = dict(entry)
+    _replace(path, doc)
+
+
+def remove_local_model(path: Path, key: str, unit: str) -> bool:
+    """Remove model ``key`` when its ``unit`` is ``unit``; whether it was removed."""
+    doc = read_local(path)
+    models = _models(doc, path)
+    entry = models.get(key)
+    if not isinstance(entry, dict) or entry.get("unit") != unit:
+        return False
+    del models[key]
+    _replace(path, doc)
+    return True
+
+
+def _replace(path: Path, doc: dict[str, Any]) -> None:
+    parse_doc(LocalRegistryDoc, doc, path)
+    text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        jsonfile.atomic_write(path, text, mode=jsonfile.mode_of(path, 0o644))
+    except OSError as exc:
+        raise ConfigFileError(path, "$", f"cannot write: {exc}") from None
