@@ -362,7 +362,7 @@ async def _router_unit(stack: AsyncExitStack, box: Sandbox, binary: Path) -> str
         os.link(box.model_file(model), folder / box.model_file(model).name)
     port = free_port()
     argv = router_argv(binary, folder, port)
-    unit = await box.add_unit(stack, "router", "llama-server router (bench)", argv)
+    unit = await box.add_unit(stack, "router", f"the models in {folder}", argv)
     outcome = await box.units.start_unit(unit, GUARD_S)
     if not outcome.ok:
         raise RuntimeError(f"{unit}: start job {outcome.result} {outcome.detail}")

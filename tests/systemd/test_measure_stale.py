@@ -25,11 +25,11 @@ import pytest
 from tests.systemd.placement_world import GUARD_S, POLICY, World
 from uapplace.controller import views
 from uapplace.controller.reserve import device_rooms
-from uapplace.core.alerts import AlertKind
+from uapplace.core.alerts import Alert, AlertKind, Severity
 from uapplace.core.staleness import exec_start_digest
 from uapplace.io import engines
 from uapplace.measure.reading import MeasurementRefused
-from uapplace.sim.engine import BUILD_INFO
+from uapplace.sim.engine import BUILD_INFO, BUILD_INFO_ENV
 
 pytestmark = pytest.mark.systemd
 
@@ -192,3 +192,43 @@ async def test_a_resident_listed_on_another_device_than_measured_raises_misfiled
     assert await world.controller.reload()
     again = [a for a in world.controller.alert_board.active() if a.kind == AlertKind.MISFILED]
     assert [a.count for a in again] == [1], "raised once while open"
+
+
+async def test_an_engine_upgraded_and_restarted_by_hand_is_caught_when_it_answers(
+    world: World,
+) -> None:
+    """Issue 21 items 3 and 7: the same ``ExecStart``, a new build (the fake engine's
+    ``$UAPPLACE_SIM_BUILD_INFO`` stands for a new binary at the same path); no reload:
+    the unit coming back up is what re-reads the launch (uapplace.controller.launchgate)."""
+    await measured_alpha(world)
+    async with asyncio.timeout(GUARD_S):
+        assert (await world.units.stop_unit(world.alpha.name, GUARD_S)).ok
+        await world.events.until(lambda: world.state_of("alpha") is None)
+    before = (await world.units.state(world.alpha.name)).exec_start
+    dropins = world.unit_files.unit_dir / f"{world.alpha.name}.d"
+    dropins.mkdir(exist_ok=True)
+    (dropins / "10-upgrade.conf").write_text(
+        f"[Service]\nEnvironment={BUILD_INFO_ENV}=b1-upgraded\n", encoding="utf-8"
+    )
+    await world.units.reload()
+    assert (await world.units.state(world.alpha.name)).exec_start == before
+
+    def stale() -> list[Alert]:
+        return [
+            a
+            for a in world.controller.alert_board.active()
+            if a.kind == AlertKind.STALE_MEASUREMENT and a.severity == Severity.WARNING
+        ]
+
+    async with asyncio.timeout(GUARD_S):
+        await world.start_alpha()  # by hand: the unit sync publishes it once it answers
+        await world.events.until(lambda: bool(stale()))
+    (alert,) = stale()
+    assert alert.subject == "alpha/a1" and "'b1-upgraded'" in alert.message
+    assert alert.detail["field"] == "measured_build"
+    config = world.controller.registry.models["alpha"].configs["a1"]
+    assert not config.is_measured and "stale" in config.untrusted
+    decision = world.controller.admit("alpha", "client-2", "", 0)
+    assert decision.decision == "forward", "a resident stays served; only its figures are unknown"
+    async with asyncio.timeout(GUARD_S):
+        assert (await world.units.stop_unit(world.alpha.name, GUARD_S)).ok

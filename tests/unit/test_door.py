@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 import pytest
@@ -80,7 +80,9 @@ class Recorder:
         self.calls.append(("measure", model, config))
         return {}
 
-    async def live_launch(self, registry: Registry) -> Mapping[str, LiveLaunch]:
+    async def live_launch(
+        self, registry: Registry, only: Collection[str] | None = None
+    ) -> Mapping[str, LiveLaunch]:
         return {}
 
     async def measure_envelope(

@@ -96,6 +96,17 @@ async def test_kv_or_max_context_turn_the_strata_extras_on(
     assert (found["kv"], found["max_context"], found["slots"]) == (kv, pool, 2.0)
 
 
+async def test_the_build_it_reports_can_be_told() -> None:
+    """``--build-info`` (else ``$UAPPLACE_SIM_BUILD_INFO``): an engine "upgraded" in place
+    (issue 21 item 3, tests/systemd/test_measure_stale.py)."""
+    options = parse_options(["--port", "0", "--model-id", "m", "--build-info", "b7-new"])
+    async with served(options) as (url, _):
+        props = await get_json(f"{url}/props")
+    assert props["build_info"] == "b7-new"
+    with pytest.raises(SystemExit):
+        parse_options(["--port", "0", "--model-id", "m", "--build-info", " "])
+
+
 async def test_the_context_pool_is_c_split_across_the_slots() -> None:
     async with served(
         parse_options(["--port", "0", "--model-id", "m", "-c", "512", "-np", "2"])

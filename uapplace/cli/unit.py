@@ -3,7 +3,8 @@
 ``unit add NAME --engine llama.cpp|vllm|fake --model PATH --port N [-- engine flags]``
 writes ``$XDG_CONFIG_HOME/systemd/user/uap-NAME.service`` from
 ``systemd/templates/<engine>.service`` (hardened as the shim's unit is; never enabled:
-uapplaced starts and stops it) and the model ``NAME`` in the machine-local registry
+uapplaced starts and stops it; filled by :mod:`uapplace.files.unit_template`, which
+writes the demo's engine units too) and the model ``NAME`` in the machine-local registry
 (:mod:`uapplace.files.backend_entry`), unmeasured: it places nothing until
 ``uapplace measure NAME`` records its footprint. Then the user manager reloads and
 uapplaced re-reads the registry (``Validate``), whose findings on the new model are
@@ -51,21 +52,18 @@ from uapplace.cli.session import (
 from uapplace.files.backend_entry import read_local, remove_local_model, write_local_model
 from uapplace.files.jsonfile import ConfigFileError, atomic_write, read_json
 from uapplace.files.paths import Paths
+from uapplace.files.unit_template import ENGINES, EngineUnit, TemplateError, render_unit
 from uapplace.io.units import UnitManager
 
 UNIT_MARKER = "Written by `uapplace unit add`; `uapplace unit remove` removes it."
 UNIT_PREFIX = "uap-"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-ENGINES = ("llama.cpp", "vllm", "fake")
 REGISTRY_ENGINE = {"llama.cpp": "llama.cpp", "vllm": "vllm", "fake": "llama.cpp"}
 """The registry's ``engine`` per template: the fake engine speaks llama.cpp's routes."""
 DEFAULT_BINARY = {"llama.cpp": "llama-server", "vllm": "vllm"}
-START_TIMEOUT = {"llama.cpp": "300s", "vllm": "900s", "fake": "60s"}
 DEFAULT_CONFIG = "default"
 RELOAD_TIMEOUT_S = 10.0
-_REPO = Path(__file__).resolve().parents[2]
-TEMPLATE_DIR = _REPO / "systemd" / "templates"
 
 app = typer.Typer(
     help=UNIT_HELP,
@@ -135,34 +133,15 @@ def unit_path(paths: Paths, name: str) -> Path:
     return paths.user_unit_dir / f"{UNIT_PREFIX}{name}.service"
 
 
-def systemd_word(text: str) -> str:
-    """One word of ``ExecStart=``: quoted for systemd's own splitting, ``%`` and ``$``
-    doubled so neither a specifier nor a variable is expanded."""
-    return shlex.quote(text.replace("%", "%%").replace("$", "$$"))
-
-
 def render(backend: Backend) -> str:
     """The unit file: the engine's template with this backend's command and environment."""
-    template_path = TEMPLATE_DIR / f"{backend.engine}.service"
-    try:
-        template = template_path.read_text(encoding="utf-8")
-    except OSError as err:
-        fail(EXIT_REFUSED, f"cannot read the template {template_path}: {err}")
-    environment = "\n".join(
-        f'Environment="{key}={value.replace("%", "%%")}"' for key, value in backend.env
+    unit = EngineUnit(
+        backend.engine, backend.name, backend.model, tuple(backend.argv()), UNIT_MARKER, backend.env
     )
-    values = {
-        "@MARKER@": UNIT_MARKER,
-        "@NAME@": backend.name,
-        "@MODEL@": backend.model.replace("%", "%%"),
-        "@EXEC_START@": " ".join(systemd_word(word) for word in backend.argv()),
-        "@ENVIRONMENT@": environment,
-        "@START_TIMEOUT@": START_TIMEOUT[backend.engine],
-    }
-    text = template if environment else template.replace("@ENVIRONMENT@\n", "")
-    for placeholder, value in values.items():
-        text = text.replace(placeholder, value)
-    return text
+    try:
+        return render_unit(unit)
+    except TemplateError as err:
+        fail(EXIT_REFUSED, str(err))
 
 
 # --------------------------------------------------------------------------- checks

@@ -52,6 +52,7 @@ from uapplace.controller.door import EnforcementDoor
 from uapplace.controller.drift import DriftWatch
 from uapplace.controller.dropins import ManagerReload, no_manager_to_reload
 from uapplace.controller.holds import BusHold, HoldTable
+from uapplace.controller.launchgate import LaunchGate
 from uapplace.controller.leases import ForwardLeases
 from uapplace.controller.misfiled import report_misfiled
 from uapplace.controller.pending import PendingPlanning
@@ -148,6 +149,13 @@ class Controller:
         self._reload_error: ConfigFileError | None = None
         self._enforcement = EnforcementDoor(
             self.flush, self.live_pending_entry, self.model_named, self.mark_failed
+        )
+        self._launch = LaunchGate(
+            config,
+            self._alerts.board,
+            self._enforcement.live_launch,
+            self._launch_regated,
+            self.spawn,
         )
         self._clock = clock
         self._tick_s = tick_s
@@ -611,10 +619,10 @@ class Controller:
             )
             return False
         self._reload_error = None
-        self._config.swap(state)
         # A measurement taken under another ExecStart or engine build than the units and
-        # engines show now is unknown (docs/placement-rules.md §4.1.1; issue 21 item 3).
-        self._config.use_launch(await self._enforcement.live_launch(state.registry))
+        # engines show now is unknown, with an alert (docs/placement-rules.md §4.1.1;
+        # issue 21 items 3 and 7).
+        await self._launch.swap(state)
         for problem, kept in files_not_taken(state):  # the last good one stays: say so
             file_not_taken(self.alert_board, problem, kept)
         self._admission.set_registry(self._config.registry())
@@ -627,6 +635,15 @@ class Controller:
         report_topology(self._config.state.registry_load, self._alerts.board)
         await self._collaborators.unit_writer.refresh()
         return True
+
+    def _launch_regated(self) -> None:
+        """A unit (re)started under another launch (or back to the measured one): the
+        gated registry changed outside a reload (:mod:`uapplace.controller.launchgate`)."""
+        self._admission.set_registry(self._config.registry())
+        self._usage_keys.clear()
+        self._refresh_footprints()
+        self._planning.request_replan()
+        self.mark_dirty()
 
     def _refresh_footprints(self) -> None:
         """Residents take the footprints the registry now records for their configs
@@ -698,12 +715,14 @@ class Controller:
     def upsert_resident(self, resident: Resident) -> None:
         """Add a resident or replace the one with the same model/config/device."""
         key = (resident.model, resident.config, resident.device)
+        old = next((r for r in self._residents if (r.model, r.config, r.device) == key), None)
         others = [r for r in self._residents if (r.model, r.config, r.device) != key]
         self._set_residents([*others, resident])
         self._events.on_resident_changed(
             (resident.model, resident.config, resident.device, resident.state.value)
         )
         self.resolve_served(resident, "forwarded")
+        self._launch.resident_published(old, resident)  # (re)started: its launch again
 
     def drop_resident(self, model: str, config: str, device: str) -> Resident | None:
         current = self.resident(model, config, device)

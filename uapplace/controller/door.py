@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from uapplace.controller.ports import EnforcementParts, Signature
@@ -147,12 +147,15 @@ class EnforcementDoor:
             "it resolves when the run ends: dismiss it then if it is still pending"
         )
 
-    async def live_launch(self, registry: Registry) -> Mapping[str, LiveLaunch]:
-        """What each measured config's unit runs now (``ExecStart``, engine build), for the
-        stale-measurement rule; nothing known before enforcement is attached."""
+    async def live_launch(
+        self, registry: Registry, only: Collection[str] | None = None
+    ) -> Mapping[str, LiveLaunch]:
+        """What each measured config's unit (or only the unit files ``only`` names) runs
+        now (``ExecStart``, engine build), for the stale-measurement rule; nothing known
+        before enforcement is attached."""
         if self._parts is None:
             return {}
-        return await self._parts.measurer.live_launch(registry)
+        return await self._parts.measurer.live_launch(registry, only)
 
     async def unit_states(self, names: Iterable[str]) -> dict[str, UnitState] | None:
         """Each unit as systemd reports it now (one it cannot read is left out); ``None``

@@ -16,7 +16,7 @@ Each Protocol is named for the role it plays for its caller, a noun without a ``
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -278,8 +278,11 @@ class Measurement(Protocol):
         self, model: str, config: str, expected: Signature
     ) -> dict[str, Any]: ...
 
-    async def live_launch(self, registry: Registry) -> Mapping[str, LiveLaunch]:
-        """Unit → what it runs now (``uapplace.measure.launch.read_live_launch``)."""
+    async def live_launch(
+        self, registry: Registry, only: Collection[str] | None = None
+    ) -> Mapping[str, LiveLaunch]:
+        """Unit → what it runs now (``uapplace.measure.launch.read_live_launch``); only
+        the unit files ``only`` names, when given."""
         ...
 
 

@@ -68,6 +68,10 @@ class AlertKind(StrEnum):
     MISFILED = "misfiled"
     """A resident is listed on another device than its config's measurement says it runs
     on (``measured_on``), and was not moved there (:mod:`uapplace.controller.misfiled`)."""
+    STALE_MEASUREMENT = "stale_measurement"
+    """A machine-local measurement was taken under another ``ExecStart`` or engine build
+    than its unit runs now: it counts as unknown until re-measured; ``info`` once it counts
+    again (:mod:`uapplace.controller.launchgate`; docs/placement-rules.md §4.1.1)."""
 
 
 class Severity(StrEnum):

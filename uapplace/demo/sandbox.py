@@ -12,7 +12,8 @@ in one :class:`contextlib.AsyncExitStack`.
   unit is gone once stopped, and a rollback must be able to start the victim
   again;
 - a simulated 24 GiB GPU (``UAPPLACE_SIM_GPU``);
-- two fake llama.cpp-like engines as real units: ``coder-7b`` (14 GiB,
+- two fake llama.cpp-like engines as real units, written from the tracked templates
+  ``uapplace unit add`` fills (:mod:`uapplace.files.unit_template`): ``coder-7b`` (14 GiB,
   resident) and ``writer-13b`` (16 GiB, measured, needs the card to itself);
   or, with :func:`llamacpp_spec` (``uapplace demo --engine llama.cpp``), two real
   ``llama-server`` units on the CPU tier (``cpu0``, host RAM) serving tiny GGUF models
@@ -54,6 +55,7 @@ from uapplace.bus.client import PlacementClient, PlacementError
 from uapplace.bus.util import bus_daemon_message, user_bus_address
 from uapplace.files.paths import BUS_NAME
 from uapplace.files.registry import local_measurements
+from uapplace.files.unit_template import EngineUnit, TemplateError, render_unit
 from uapplace.io import engines
 from uapplace.io.units import UnitError, UnitManager
 from uapplace.sim.gpu import SimGpu, sim_uuid
@@ -67,6 +69,7 @@ MEASURED_AT = "2026-10-08T14:02:00Z"
 STEP_GUARD_S = 60.0
 """No single demo step may take longer than this (a hang guard)."""
 PROXY_TOKEN = "uapplace-demo-token"
+DEMO_UNIT_MARKER = "Written by `uapplace demo` (its sandbox); removed when the demo exits."
 
 
 LLAMA_CTX = 512
@@ -399,20 +402,37 @@ class Sandbox:
             raise DemoError(f"{shlex.join(argv)} exited with {proc.returncode}:\n{text}{hint}")
         (self.base / "llama-cache").mkdir(exist_ok=True)
 
-    def _engine_environment(self) -> str:
+    def _engine_environment(self) -> tuple[tuple[str, str], ...]:
         """The ``Environment=`` of every engine unit."""
         if self.sim is not None:
-            return f"UAPPLACE_SIM_GPU={self.sim.path}"
+            return (("UAPPLACE_SIM_GPU", str(self.sim.path)),)
         # An empty download cache: llama-server (a router above all) lists what it finds there.
-        return f"{LLAMA_CACHE_ENV}={self.base / 'llama-cache'}"
+        return ((LLAMA_CACHE_ENV, str(self.base / "llama-cache")),)
+
+    @property
+    def engine_template(self) -> str:
+        """The unit template of this sandbox's engines (:mod:`uapplace.files.unit_template`)."""
+        return "fake" if self.spec.llama_server is None else "llama.cpp"
 
     def _unit_text(self, model: DemoModel) -> str:
-        what = "fake llama.cpp" if self.spec.llama_server is None else "llama.cpp llama-server, CPU"
-        return (
-            f"[Unit]\nDescription=uapplace demo engine {model.key} ({what})\n\n"
-            f"[Service]\nType=exec\nExecStart={shlex.join(self.unit_argv(model))}\n"
-            f"Environment={self._engine_environment()}\nTimeoutStopSec=10\n"
+        weights = model.display if self.spec.llama_server is None else str(self.model_file(model))
+        return self._render(model.key, weights, self.unit_argv(model))
+
+    def _render(self, name: str, weights: str, argv: Sequence[str]) -> str:
+        """An engine unit from the template ``uapplace unit add`` fills: the demo's engines
+        run hardened as an operator's do."""
+        unit = EngineUnit(
+            self.engine_template,
+            name,
+            weights,
+            tuple(argv),
+            DEMO_UNIT_MARKER,
+            self._engine_environment(),
         )
+        try:
+            return render_unit(unit)
+        except TemplateError as err:
+            raise DemoError(str(err)) from err
 
     async def _install_units(self, stack: AsyncExitStack, progress: Callable[[str], None]) -> None:
         progress("writing the engine units")
@@ -436,18 +456,14 @@ class Sandbox:
         stack.push_async_callback(self._remove_unit, name)
 
     async def add_unit(
-        self, stack: AsyncExitStack, stem: str, description: str, argv: Sequence[str]
+        self, stack: AsyncExitStack, stem: str, serves: str, argv: Sequence[str]
     ) -> str:
         """One more unit, ``uapplace-demo-<stem>.service`` running ``argv`` with the
-        engines' environment, stopped and removed when ``stack`` closes; its name.
+        engines' environment and template (``serves``: what its ``Description=`` says it
+        serves), stopped and removed when ``stack`` closes; its name.
         (``bench/bench_swap.py --engine llama.cpp --pause``: a llama-server router.)"""
         name = f"{UNIT_PREFIX}-{stem}.service"
-        text = (
-            f"[Unit]\nDescription=uapplace demo {description}\n\n"
-            f"[Service]\nType=exec\nExecStart={shlex.join(argv)}\n"
-            f"Environment={self._engine_environment()}\nTimeoutStopSec=10\n"
-        )
-        self._write_unit(stack, name, text)
+        self._write_unit(stack, name, self._render(stem, serves, argv))
         await self.units.reload()
         return name
 

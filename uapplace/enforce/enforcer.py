@@ -69,6 +69,7 @@ from uapplace.enforce.run import (
     normalize_signature,
     option_text,
 )
+from uapplace.enforce.snapshot import RegistrySnapshot
 from uapplace.files.journal import Journal
 from uapplace.files.timeouts import Timeouts
 from uapplace.io.counters import run_outcome
@@ -192,7 +193,7 @@ class Enforcer:
         what = f"apply {entry.id} option {option} ({option_text(approved)})"
 
         async def target(run: Run) -> Target:
-            return await revalidate.option_target(self.host, run, entry, approved, signature)
+            return await revalidate.option_target(run.host, run, entry, approved, signature)
 
         result = await self._enforce(what, target, entry.id, wait, origin)
         return result.to_json()
@@ -214,7 +215,7 @@ class Enforcer:
         signature = normalize_signature(expected) or ()
 
         async def target(run: Run) -> Target:
-            return await revalidate.load_target(self.host, run, model, cells, signature)
+            return await revalidate.load_target(run.host, run, model, cells, signature)
 
         result = await self._enforce(f"load {model}", target, None, wait)
         return result.to_json()
@@ -230,7 +231,7 @@ class Enforcer:
         signature = normalize_signature(expected) or ()
 
         async def target(run: Run) -> Target:
-            return await revalidate.unload_target(self.host, run, model, signature)
+            return await revalidate.unload_target(run.host, run, model, signature)
 
         result = await self._enforce(f"unload {model}", target, None, wait)
         return result.to_json()
@@ -251,20 +252,23 @@ class Enforcer:
                 "machine-wide: retry when it has finished"
             )
         async with self._lock:
-            run = Run(run_id=f"run-{secrets.token_hex(4)}", what=what, host=self.host)
+            # One registry for the whole run, whatever a reload swaps meanwhile (issue 20;
+            # uapplace.enforce.snapshot).
+            ctx = dataclasses.replace(self.ctx, host=RegistrySnapshot(self.host))
+            run = Run(run_id=f"run-{secrets.token_hex(4)}", what=what, host=ctx.host)
             self._running = f"{run.run_id} ({what})"
             self._applying = placement_id
             outcome = "refused"  # revalidation said no (or raised): nothing ran
             try:
                 target = await target_of(run)
-                result = await self._sequence(run, target, placement_id)
+                result = await self._sequence(ctx, run, target, placement_id)
                 outcome = run_outcome(result.ok, result.rolled_back)
-                await journal_clear(self.ctx, run)
+                await journal_clear(ctx, run)
                 by = rollback.unattended(target, wait, origin)
-                rollback.alert_unattended(self.ctx, run, target, result, by)
+                rollback.alert_unattended(ctx, run, target, result, by)
                 return result
             finally:
-                rollback.release_marks(self.ctx, run)
+                rollback.release_marks(ctx, run)
                 self._running = None
                 self._applying = None
                 self._drained = frozenset()
@@ -276,12 +280,11 @@ class Enforcer:
         self.host.run_finished(run.run_id, verb, outcome)
 
     async def _sequence(
-        self, run: Run, target: Target, placement_id: str | None
+        self, ctx: RunContext, run: Run, target: Target, placement_id: str | None
     ) -> EnforcementResult:
-        ctx = self.ctx
         if target.reuse is not None:
             await enforce_steps.resolve(ctx, run, target)
-            return self._succeeded(run, target, placement_id)
+            return self._succeeded(ctx, run, target, placement_id)
         refusal = await enforce_steps.preflight(ctx, run, target)
         if refusal is not None:
             return EnforcementResult(
@@ -314,13 +317,15 @@ class Enforcer:
             return await rollback.failed_result(ctx, run, target, placement_id, unexpected)
         await enforce_steps.refresh_proxy(ctx, run)
         await enforce_steps.resolve(ctx, run, target)
-        return self._succeeded(run, target, placement_id)
+        return self._succeeded(ctx, run, target, placement_id)
 
-    def _succeeded(self, run: Run, target: Target, placement_id: str | None) -> EnforcementResult:
+    def _succeeded(
+        self, ctx: RunContext, run: Run, target: Target, placement_id: str | None
+    ) -> EnforcementResult:
         return EnforcementResult(
             True,
             run.run_id,
             placement_id,
             tuple(run.steps),
-            running_after=rollback.published(self.ctx, target),
+            running_after=rollback.published(ctx, target),
         )

@@ -6,7 +6,9 @@ writer (``jsonfile``), the registry (``registry``, ``registry_schema``,
 ``placement.json`` (``ledger``, ``ledger_schema``), the enforcement journal
 (``journal``), the timeouts file (``timeouts``), the standing-consent policy
 (``autopolicy``), the shim's dashboard token (``token``) and the stock proxy's one
-upstream as its environment file names it (``proxyenv``). Pydantic lives here, at
+upstream as its environment file names it (``proxyenv``); a backend's unit from its
+tracked template (``unit_template``) and its machine-local registry entry
+(``backend_entry``). Pydantic lives here, at
 the edge; what a file holds is handed inward as ``core.model`` dataclasses. Every file
 uapplaced takes orders from is read ``trusted`` (owned by its user or root, writable by
 no one else) and every number in it has a range (docs/placement-rules.md §4.7).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Collection
 from typing import Any
 
 import aiohttp
@@ -58,14 +59,20 @@ async def _vllm_version(endpoint: str, http_s: float) -> str | None:
 
 
 async def read_live_launch(
-    registry: Registry, units: UnitControl, http_s: float = engines.PROBE_TIMEOUT_S
+    registry: Registry,
+    units: UnitControl,
+    http_s: float = engines.PROBE_TIMEOUT_S,
+    only: Collection[str] | None = None,
 ) -> dict[str, LiveLaunch]:
     """Unit file name → :class:`LiveLaunch` for every unit of a machine-local measured
-    config; a unit systemd cannot read is left out (not compared)."""
+    config (only the unit files ``only`` names, when given); a unit systemd cannot read is
+    left out (not compared)."""
     wanted: dict[str, str | None] = {}
     for model in registry.models.values():
         for config in model.configs.values():
             unit = model.unit_for(config)
+            if only is not None and (not unit or unit_file_name(unit) not in only):
+                continue
             if unit and config.provenance == "local" and config.measured_at is not None:
                 wanted.setdefault(unit_file_name(unit), model.endpoint_for(config))
     found = await asyncio.gather(*(_one(u, e, units, http_s) for u, e in wanted.items()))

@@ -68,7 +68,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import psutil
@@ -187,9 +187,11 @@ class Measurer:
         (:meth:`uapplace.measure.envelope.EnvelopeMeasurer.measure`)."""
         return await self.envelope.measure(model, config, expected)
 
-    async def live_launch(self, registry: Registry) -> dict[str, LiveLaunch]:
+    async def live_launch(
+        self, registry: Registry, only: Collection[str] | None = None
+    ) -> dict[str, LiveLaunch]:
         """What each measured config's unit runs now (:func:`read_live_launch`)."""
-        return await read_live_launch(registry, self.units, self.reader.http_s)
+        return await read_live_launch(registry, self.units, self.reader.http_s, only)
 
     # ------------------------------------------------------------------ steps
 

@@ -31,7 +31,8 @@ then ``/health`` is 200 ``{"status": "ok"}``.
   ``--no-slots`` it answers 501 ``not_supported_error``, as llama-server started with
   ``--no-slots`` does.
 - ``GET /props``: ``default_generation_settings.n_ctx`` (per slot), ``total_slots``,
-  ``model_alias``, ``model_path``, ``build_info`` (:data:`BUILD_INFO`), ``is_sleeping``,
+  ``model_alias``, ``model_path``, ``build_info`` (``--build-info``, else
+  ``$UAPPLACE_SIM_BUILD_INFO``, else :data:`BUILD_INFO`), ``is_sleeping``,
   ``endpoint_slots``, ``endpoint_metrics``.
 - ``GET /metrics``: Prometheus text with llama.cpp's own names (``llamacpp:prompt_tokens_total``,
   ``llamacpp:tokens_predicted_total``, ``llamacpp:requests_processing``,
@@ -133,6 +134,9 @@ ENGINE_NAME = "uapplace-sim"
 BUILD_INFO = "b0-uapplace-sim"
 """``/props`` ``build_info``: llama.cpp's is ``b<build>-<commit>`` (``b1-0c1e570``)."""
 SIM_GPU_ENV = "UAPPLACE_SIM_GPU"
+BUILD_INFO_ENV = "UAPPLACE_SIM_BUILD_INFO"
+"""The default of ``--build-info``: an engine "upgraded" under the same ``ExecStart`` (a
+unit drop-in's ``Environment=``), as a new binary at the same path would be."""
 READY_PREFIX = "uapplace-sim-engine listening on "
 FAILABLE_ROUTES = ("slots", "props", "metrics")
 MIB = 1024 * 1024
@@ -174,6 +178,8 @@ class EngineOptions:
     wake_delay: float = 0.0
     offload_mib: int = 0
     fail_wake: bool = False
+    build_info: str = BUILD_INFO
+    """``--build-info``: the ``/props`` ``build_info`` (an engine "upgraded" in place)."""
 
     @property
     def served_ids(self) -> list[str]:
@@ -513,7 +519,7 @@ class FakeEngine:
                 "endpoint_slots": not opts.no_slots,
                 "endpoint_props": False,
                 "endpoint_metrics": True,
-                "build_info": BUILD_INFO,
+                "build_info": opts.build_info,
                 **sleeping,
             }
         )
@@ -609,7 +615,8 @@ class FakeEngine:
             await self._decode(slot, tokens, generation.prompt_tokens)
 
         try:
-            reply = Reply(chat, generation, served, BUILD_INFO, slot.task_id or 0, decode)
+            build = self.options.build_info
+            reply = Reply(chat, generation, served, build, slot.task_id or 0, decode)
             if generation.stream:
                 return await reply.stream(request)
             await reply.generate()
@@ -827,6 +834,11 @@ def _parser() -> argparse.ArgumentParser:
         "--offload-mib", type=int, default=0, help="host MiB a level-1 sleep adds (the weights)"
     )
     parser.add_argument("--fail-wake", action="store_true", help="/wake_up answers 500")
+    parser.add_argument(
+        "--build-info",
+        default=os.environ.get(BUILD_INFO_ENV) or BUILD_INFO,
+        help=f"the build /props reports (build_info); default ${BUILD_INFO_ENV}, else {BUILD_INFO}",
+    )
     return parser
 
 
@@ -848,6 +860,7 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         "--sleep-delay": args.sleep_delay < 0,
         "--wake-delay": args.wake_delay < 0,
         "--offload-mib": args.offload_mib < 0,
+        "--build-info": not args.build_info.strip(),
     }
     for flag, bad in problems.items():
         if bad:
@@ -889,6 +902,7 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         wake_delay=args.wake_delay,
         offload_mib=args.offload_mib,
         fail_wake=args.fail_wake,
+        build_info=args.build_info,
     )
 
 
