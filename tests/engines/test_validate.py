@@ -73,13 +73,19 @@ async def test_validate_checks_the_policy_against_the_real_units(llama: LlamaWor
     done = await llama.cli("validate", "--json")
     assert done.returncode == EXIT_REFUSED, "an error fails validate"
     found = errors(json.loads(done.stdout))
+    # beta's miss is named twice, each where it can be fixed: the measurement taken under
+    # that launch line, and the policy entry the live ExecStart does not meet.
+    live_miss = "$.services[1].execStartMustContain[1]"
     assert set(found) == {
         "$.models.beta.configs.beta-f32.flags",
+        live_miss,
         "$.models.gamma.configs.gamma-f32.per_session_cap_cells",
     }, found
     lacking = found["$.models.beta.configs.beta-f32.flags"]
     assert lacking.startswith("launch flags lack '--cache-type-k q8_0', required by ")
     assert "execStartMustContain[1]" in lacking
+    assert "live ExecStart lacks '--cache-type-k q8_0'" in found[live_miss]
+    assert found[live_miss].endswith("beta does not run as the policy requires")
     n_ctx = found["$.models.gamma.configs.gamma-f32.per_session_cap_cells"]
     assert n_ctx.startswith("per_session_cap_cells is 256 but ")
     assert n_ctx.endswith("metricsMustMatch.n_ctx requires 512")

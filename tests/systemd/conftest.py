@@ -41,6 +41,7 @@ from tests.bus.dbusmock_fixtures import MockService, spawn_template
 from tests.systemd import placement_world as placement
 from tests.systemd.live_world import LiveWorld, live_world
 from tests.worlds.steps import APPLY_STEPS as APPLY_STEPS  # the tier's tests import it from here
+from uapplace.controller.dropins import FOLLOW_MARKER
 from uapplace.io.units import UnitManager
 from uapplace.sim.gpu import SimGpu, sim_uuid
 from uapplace.sim.usermanager import ContainedUserManager, can_contain
@@ -76,6 +77,17 @@ def user_manager() -> Iterator[ContainedUserManager]:
     manager.start()
     yield manager
     manager.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_follow_marker_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """``uapplace units`` marks the unit directory it wrote drop-ins in, and every later
+    reload then rewrites them (docs/placement-rules.md); the contained manager's unit
+    directory outlives each test, so a test's mark must not follow the next test."""
+    yield
+    if "user_manager" in request.fixturenames:
+        manager: ContainedUserManager = request.getfixturevalue("user_manager")
+        (manager.unit_dir / FOLLOW_MARKER).unlink(missing_ok=True)
 
 
 @pytest.hookimpl(wrapper=True)

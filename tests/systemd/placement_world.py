@@ -427,7 +427,8 @@ async def build_world(
 
 
 async def close_world(world: World) -> None:
-    await world.sync.close()
+    async with asyncio.timeout(GUARD_S):  # a watcher that ignores its cancel fails, not hangs
+        await world.sync.close()
     await world.controller.shutdown(wait_s=GUARD_S)
     await world.runner.cleanup()
     world.kill_orphan()

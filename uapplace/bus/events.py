@@ -192,8 +192,9 @@ class Subscription:
         nothing (a keepalive's moment); ``None`` once dropped or closed."""
         if not self._queue and not self.ended:
             self._ready.clear()
-            try:
-                await asyncio.wait_for(self._ready.wait(), idle_s)
+            try:  # asyncio.timeout, not wait_for: cpython gh-86296 loses cancels on 3.11
+                async with asyncio.timeout(idle_s):
+                    await self._ready.wait()
             except TimeoutError:
                 return []
         if self.dropped is not None or (self.closed and not self._queue):
@@ -322,8 +323,9 @@ class EventLog:
             if idle_s is None:
                 await waiter.wait()
                 continue
-            try:
-                await asyncio.wait_for(waiter.wait(), idle_s)
+            try:  # not wait_for: cpython gh-86296
+                async with asyncio.timeout(idle_s):
+                    await waiter.wait()
             except TimeoutError:
                 yield None
 

@@ -100,8 +100,9 @@ class LedgerWriter:
         while True:
             await self._wake.wait()
             if not self._urgent.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._urgent.wait(), self._usage_flush_s)
+                with contextlib.suppress(TimeoutError):  # not wait_for: cpython gh-86296
+                    async with asyncio.timeout(self._usage_flush_s):
+                        await self._urgent.wait()
             await asyncio.sleep(self._debounce_s)
             self._wake.clear()
             self._urgent.clear()

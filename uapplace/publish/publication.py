@@ -538,8 +538,12 @@ class SleepWatch:
 
     async def _run(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can lose a cancel
+            # that lands as the event is set (cpython gh-86296), and close() then waits
+            # for this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poked.wait(), self.every_s)
+                async with asyncio.timeout(self.every_s):
+                    await self._poked.wait()
             self._poked.clear()
             try:
                 await self.check_once()

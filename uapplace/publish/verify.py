@@ -360,8 +360,9 @@ async def wait_up(unit: str, endpoint: str | None, limit: float, watch: UnitWatc
         if remaining <= 0:
             text = state_text(state) if state is not None else "unknown"
             return f"{unit} not healthy after {limit:g}s (unit {text})"
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(watch.changed.wait(), min(next(pauses), remaining))
+        with contextlib.suppress(TimeoutError):  # not wait_for: cpython gh-86296
+            async with asyncio.timeout(min(next(pauses), remaining)):
+                await watch.changed.wait()
         state = watch.cached_state() or await watch.fresh_state()
 
 
