@@ -49,9 +49,10 @@ from uapplace.cli.session import (
     out,
     print_json,
 )
-from uapplace.files.backend_entry import read_local, remove_local_model, write_local_model
+from uapplace.files.backend_entry import remove_local_model, write_local_model
 from uapplace.files.jsonfile import ConfigFileError, atomic_write, read_json
 from uapplace.files.paths import Paths
+from uapplace.files.registry_write import read_local
 from uapplace.files.unit_template import ENGINES, EngineUnit, TemplateError, render_unit
 from uapplace.io.units import UnitManager
 

@@ -14,24 +14,13 @@ leaves any other entry of that name alone.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from uapplace.files import jsonfile
 from uapplace.files.jsonfile import ConfigFileError
-from uapplace.files.registry_schema import LocalRegistryDoc, json_path, parse_doc
-
-
-def read_local(path: Path) -> dict[str, Any]:
-    """The local registry as a JSON object (``{"version": 1}`` when there is none)."""
-    if not path.exists():
-        return {"version": 1}
-    raw = jsonfile.read_json(path, trusted=True)
-    if not isinstance(raw, dict):
-        raise ConfigFileError(path, "$", "expected a JSON object at the top level")
-    return raw
+from uapplace.files.registry_schema import json_path
+from uapplace.files.registry_write import read_local, replace_local
 
 
 def _models(doc: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -52,7 +41,7 @@ def write_local_model(path: Path, key: str, entry: Mapping[str, Any], replace: b
             f"the local registry already has a model {key!r} (--force replaces it)",
         )
     models[key] = dict(entry)
-    _replace(path, doc)
+    replace_local(path, doc)
 
 
 def remove_local_model(path: Path, key: str, unit: str) -> bool:
@@ -63,15 +52,5 @@ def remove_local_model(path: Path, key: str, unit: str) -> bool:
     if not isinstance(entry, dict) or entry.get("unit") != unit:
         return False
     del models[key]
-    _replace(path, doc)
+    replace_local(path, doc)
     return True
-
-
-def _replace(path: Path, doc: dict[str, Any]) -> None:
-    parse_doc(LocalRegistryDoc, doc, path)
-    text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        jsonfile.atomic_write(path, text, mode=jsonfile.mode_of(path, 0o644))
-    except OSError as exc:
-        raise ConfigFileError(path, "$", f"cannot write: {exc}") from None

@@ -32,12 +32,12 @@ def write_local_measurement(
     replaced, and the replacement is atomic (temp file, fsync, rename): a reader sees
     the old file or the new one, never half of either.
     """
-    doc = _read_for_update(local_path)
+    doc = read_local(local_path)
     models = _object_at(doc, ("models",), local_path)
     _object_at(models, ("models", model), local_path)
     configs = _object_at(models[model], ("models", model, "configs"), local_path)
     configs[config] = dict(fields)
-    _replace_local(local_path, doc)
+    replace_local(local_path, doc)
 
 
 def write_local_envelope(
@@ -51,7 +51,7 @@ def write_local_envelope(
     the repo's entry whole. Same validation and atomicity as
     :func:`write_local_measurement`. Raises :class:`ConfigFileError` naming the entry.
     """
-    doc = _read_for_update(local_path)
+    doc = read_local(local_path)
     entry = ((doc.get("models") or {}).get(model) or {}).get("configs", {}).get(config)
     where = json_path(("models", model, "configs", config))
     if not isinstance(entry, dict) or config_tag(entry) != "measured":
@@ -62,7 +62,7 @@ def write_local_envelope(
             f"{model} {config}` while it runs, then measure its envelope",
         )
     entry["envelope"] = dict(envelope)
-    _replace_local(local_path, doc)
+    replace_local(local_path, doc)
 
 
 def write_local_device(local_path: Path, device: str, fields: Mapping[str, Any]) -> None:
@@ -71,14 +71,15 @@ def write_local_device(local_path: Path, device: str, fields: Mapping[str, Any])
     Field-wise: fields not named keep their value. Same validation and atomicity as
     :func:`write_local_measurement`.
     """
-    doc = _read_for_update(local_path)
+    doc = read_local(local_path)
     devices = _object_at(doc, ("devices",), local_path)
     entry = _object_at(devices, ("devices", device), local_path)
     entry.update(fields)
-    _replace_local(local_path, doc)
+    replace_local(local_path, doc)
 
 
-def _read_for_update(path: Path) -> dict[str, Any]:
+def read_local(path: Path) -> dict[str, Any]:
+    """The local registry as a JSON object (``{"version": 1}`` when there is none)."""
     if not path.exists():
         return {"version": 1}
     raw = jsonfile.read_json(path, trusted=True)
@@ -94,7 +95,8 @@ def _object_at(parent: dict[str, Any], loc: tuple[str, ...], file: Path) -> dict
     return value
 
 
-def _replace_local(path: Path, doc: dict[str, Any]) -> None:
+def replace_local(path: Path, doc: dict[str, Any]) -> None:
+    """Validate the whole document against the local schema, then replace it atomically."""
     parse_doc(LocalRegistryDoc, doc, path)
     text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
     try:
