@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.bench_shim import Connection, percentile, seeded_engine  # noqa: E402
+from bench.bench_shim import Connection, concurrent, percentile, seeded_engine  # noqa: E402
 from uapplace.sim import serving  # noqa: E402
 from uapplace.sim.gateproxy import (  # noqa: E402
     OPENAI_ROUTE,
@@ -155,22 +155,6 @@ async def sequential(
             await connection.close()
 
 
-async def closed_loop(port: int, clients: int, per_client: int) -> tuple[list[float], float]:
-    connections = [Connection(port, OPENAI_ROUTE, CHAT) for _ in range(clients)]
-    await asyncio.gather(*(c.open() for c in connections))
-
-    async def drive(connection: Connection) -> list[float]:
-        return [await connection.admit() for _ in range(per_client)]
-
-    try:
-        started = time.perf_counter()
-        results = await asyncio.gather(*(drive(c) for c in connections))
-        wall = time.perf_counter() - started
-    finally:
-        await asyncio.gather(*(c.close() for c in connections))
-    return [latency for result in results for latency in result], wall
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -179,7 +163,9 @@ def measure(ports: dict[str, int], args: argparse.Namespace) -> dict[str, dict[s
     seq = asyncio.run(sequential(list(ports.values()), args.requests, args.block, args.warmup))
     figures: dict[str, dict[str, float]] = {}
     for (name, port), latencies in zip(ports.items(), seq, strict=True):
-        loaded, wall = asyncio.run(closed_loop(port, args.clients, args.per_client))
+        loaded, wall = asyncio.run(
+            concurrent(port, args.clients, args.per_client, OPENAI_ROUTE, CHAT)
+        )
         figures[name] = {
             "seq p50": statistics.median(latencies),
             "seq p99": percentile(latencies, 0.99),

@@ -205,8 +205,12 @@ async def interleaved(
             await connection.close()
 
 
-async def concurrent(port: int, clients: int, per_client: int) -> tuple[list[float], float]:
-    connections = [Connection(port) for _ in range(clients)]
+async def concurrent(
+    port: int, clients: int, per_client: int, path: str = ADMIT_PATH, body: bytes = BODY
+) -> tuple[list[float], float]:
+    """``clients`` keep-alive connections, each sending ``per_client`` POSTs back to back;
+    every latency, and the wall time of the whole."""
+    connections = [Connection(port, path, body) for _ in range(clients)]
     await asyncio.gather(*(c.open() for c in connections))
 
     async def drive(connection: Connection) -> list[float]:

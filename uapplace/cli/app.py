@@ -53,15 +53,16 @@ from uapplace.cli.render import (
     signal_line,
 )
 from uapplace.cli.session import (
-    EXIT_CODES_HELP,
     EXIT_REFUSED,
     EXIT_USAGE,
+    JsonFlag,
     Unreachable,
     call,
     call_or,
     exit_status,
     fail,
     out,
+    placement_app,
     print_json,
     subscribe,
     until_stopped,
@@ -69,19 +70,7 @@ from uapplace.cli.session import (
 from uapplace.core.model import DEFAULT_CELLS
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
-app = typer.Typer(
-    help=(
-        "Operator-directed placement of local AI model backends. Talks to uapplaced "
-        "(org.uap.Placement1 on the user bus)."
-    ),
-    epilog=EXIT_CODES_HELP,
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
-
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+app = placement_app()
 
 
 def _local(command: str, as_json: bool) -> Callable[[Unreachable], NoReturn]:

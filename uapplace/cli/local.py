@@ -38,24 +38,19 @@ from uapplace.cli.render import (
     print_status,
     print_validation,
 )
-from uapplace.cli.session import EXIT_CODES_HELP, EXIT_REFUSED, fail, out, print_json
+from uapplace.cli.session import (
+    EXIT_REFUSED,
+    JsonFlag,
+    fail,
+    out,
+    placement_app,
+    print_json,
+)
 from uapplace.demo import real_engine, walkthrough
 from uapplace.files.paths import Paths
 from uapplace.io.unitlogs import MAX_LINES
 
-app = typer.Typer(
-    help=(
-        "Operator-directed placement of local AI model backends. Talks to uapplaced "
-        "(org.uap.Placement1 on the user bus)."
-    ),
-    epilog=EXIT_CODES_HELP,
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
-
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+app = placement_app()
 
 app.add_typer(unit_cli.app, name="unit")
 

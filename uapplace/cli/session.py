@@ -13,7 +13,7 @@ import json
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from dbus_fast import MessageType
@@ -49,6 +49,25 @@ Exit codes:
   6  busy: another enforcement is running, or the daemon is stopping
   7  not found: unknown placement id, hold cookie, model or config
 """
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+
+def placement_app() -> typer.Typer:
+    """The ``uapplace`` app: the light one (:mod:`uapplace.cli.app`) and the local one it
+    hands over to (:mod:`uapplace.cli.local`) show the same help and exit-code epilog."""
+    return typer.Typer(
+        help=(
+            "Operator-directed placement of local AI model backends. Talks to uapplaced "
+            "(org.uap.Placement1 on the user bus)."
+        ),
+        epilog=EXIT_CODES_HELP,
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+    )
+
 
 _EXIT_BY_ERROR = {
     "NotAuthorized": EXIT_NOT_AUTHORIZED,

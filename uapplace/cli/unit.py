@@ -42,6 +42,7 @@ from uapplace.cli.session import (
     EXIT_NOT_FOUND,
     EXIT_REFUSED,
     EXIT_USAGE,
+    JsonFlag,
     Unreachable,
     call,
     call_or,
@@ -74,7 +75,6 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 NameArg = Annotated[
     str,
     typer.Argument(
