@@ -13,4 +13,9 @@ and ``validate``'s findings from what the units run now (``launchcheck``).
 
 May import: ``core``, ``files``, ``bus``, ``io``. It knows no machinery: enforcement,
 recovery and publication call it, never the other way round.
+
+Why 17 modules: the controller is one object and the single writer of the live state
+(docs/architecture.md, "State: who writes what"); each module is one facet of that state or
+one collaborator's Protocol, and none of them is used without the controller. Splitting
+them into sub-packages would put the one writer's parts on two floors.
 """

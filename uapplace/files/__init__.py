@@ -14,4 +14,9 @@ uapplaced takes orders from is read ``trusted`` (owned by its user or root, writ
 no one else) and every number in it has a range (docs/placement-rules.md §4.7).
 
 May import: ``core``.
+
+Why 15 modules: one module per file and concern (the registry's and the ledger's
+pydantic schemas apart from their readers and writers, so that a schema reads whole on
+one page); a sub-package per file would hold one to three modules each and spread one
+edge of the system over several folders.
 """
