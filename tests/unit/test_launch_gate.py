@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from controller_fixtures import registry, registry_paths
+from controller_fixtures import registry, registry_paths, tiny_model, tiny_resident
 
 from uapplace.controller.configstate import ConfigState, LiveConfig
 from uapplace.controller.launchgate import LaunchGate
@@ -27,27 +27,22 @@ from uapplace.core.staleness import LiveLaunch, exec_start_digest
 UNIT = "uap-tiny.service"
 LAUNCH = "/usr/bin/llama-server -m /m/tiny.gguf --port 18090 -c 4096"
 BUILD = "b100-abc"
+MEASURED_AT = "2026-12-03T10:00:00Z"
 
 
 def tiny() -> dict[str, Any]:
-    return {
-        "display": "Tiny",
-        "engine": "llama.cpp",
-        "unit": "uap-tiny",
-        "endpoint": "http://127.0.0.1:18090",
-        "configs": {
-            "c1": {
-                "resident_gpu_mib": 0,
-                "host_rss_mib": 300,
-                "kv_resident_cells": 4096,
-                "measured_at": "2026-12-03T10:00:00Z",
-                "measured_on": "cpu0",
-                "flags": LAUNCH.split()[1:],
-                "exec_start_sha256": exec_start_digest(LAUNCH),
-                "measured_build": BUILD,
-            }
-        },
-    }
+    return tiny_model(
+        {
+            "resident_gpu_mib": 0,
+            "host_rss_mib": 300,
+            "kv_resident_cells": 4096,
+            "measured_at": MEASURED_AT,
+            "measured_on": "cpu0",
+            "flags": LAUNCH.split()[1:],
+            "exec_start_sha256": exec_start_digest(LAUNCH),
+            "measured_build": BUILD,
+        }
+    )
 
 
 class Reader:
@@ -93,19 +88,7 @@ class Gate:
 
 
 def hot(pid: int) -> Resident:
-    return Resident(
-        model="tiny",
-        config="c1",
-        device="cpu0",
-        engine="llama.cpp",
-        endpoint="http://127.0.0.1:18090",
-        unit=UNIT,
-        state=ResidentState.HOT,
-        gpu_mib=0.0,
-        host_rss_mib=300.0,
-        since="2026-12-03T10:00:00Z",
-        main_pid=pid,
-    )
+    return tiny_resident(300.0, MEASURED_AT, main_pid=pid)
 
 
 async def test_a_stale_measurement_raises_once_and_clears_with_info(tmp_path: Path) -> None:
@@ -149,3 +132,42 @@ async def test_a_restarted_engine_is_re_gated_without_a_reload(tmp_path: Path) -
     assert g.regated == 1 and g.stale()
     (raised,) = g.stale_alerts()
     assert raised.severity is Severity.WARNING
+
+
+async def test_a_warning_restored_after_a_restart_clears_once_the_config_counts(
+    tmp_path: Path,
+) -> None:
+    g = Gate(tmp_path)
+    g.read.build = "b200-def"
+    await g.gate.swap(g.files)
+    (warned,) = g.board.active()
+    assert warned.severity is Severity.WARNING
+
+    # A restart: a new gate and board, the open warning restored from the ledger, and the
+    # engine re-measured (or put back) while the daemon was down.
+    (tmp_path / "restarted").mkdir()
+    restarted = Gate(tmp_path / "restarted")
+    restarted.board.restore([warned])
+    await restarted.gate.swap(restarted.files)
+
+    assert not restarted.stale()
+    (cleared,) = restarted.stale_alerts()
+    assert cleared.id == warned.id and cleared.severity is Severity.INFO
+    assert "counts again" in cleared.message and "'b200-def'" in cleared.message
+    assert cleared.detail["stale"] is False and cleared.detail["field"] == "measured_build"
+
+
+async def test_a_restored_warning_still_true_is_not_raised_again(tmp_path: Path) -> None:
+    g = Gate(tmp_path)
+    g.read.build = "b200-def"
+    await g.gate.swap(g.files)
+    (warned,) = g.board.active()
+
+    (tmp_path / "restarted").mkdir()
+    restarted = Gate(tmp_path / "restarted")
+    restarted.board.restore([warned])
+    restarted.read.build = "b200-def"
+    await restarted.gate.swap(restarted.files)
+
+    assert restarted.stale() and restarted.stale_alerts() == []  # no second notification
+    assert restarted.board.active() == [warned]

@@ -100,27 +100,56 @@ def report_stale(
     before: tuple[Staleness, ...], after: tuple[Staleness, ...], board: AlertBoard
 ) -> None:
     """A warning for each stale config (once while open), an ``info`` for each that
-    was stale and is not any more."""
+    was stale and is not any more: stale in ``before``, or still warned of on the board
+    (a warning restored from the ledger after a restart has no ``before`` to be in)."""
     now = _keys(after)
     for stale in after:
         board.raise_unless_open(
             AlertKind.STALE_MEASUREMENT,
             Severity.WARNING,
-            f"{stale.model}/{stale.config}",
+            _subject(stale.model, stale.config),
             f"{stale.model}/{stale.config} counts as unknown: {stale.message}",
-            {"model": stale.model, "config": stale.config, "field": stale.field, "stale": True},
+            {
+                "model": stale.model,
+                "config": stale.config,
+                "field": stale.field,
+                "stale": True,
+                "reason": stale.message,
+            },
         )
-    for gone in before:
-        if (gone.model, gone.config) in now:
+    for (model, config), (field, reason) in _was_stale(before, board).items():
+        if (model, config) in now:
             continue
         board.raise_alert(
             AlertKind.STALE_MEASUREMENT,
             Severity.INFO,
-            f"{gone.model}/{gone.config}",
-            f"{gone.model}/{gone.config} counts again: its measurement matches what its "
-            f"unit runs now (it was stale: {gone.message})",
-            {"model": gone.model, "config": gone.config, "field": gone.field, "stale": False},
+            _subject(model, config),
+            f"{model}/{config} counts again: its measurement matches what its "
+            f"unit runs now (it was stale: {reason})",
+            {"model": model, "config": config, "field": field, "stale": False},
         )
+
+
+def _was_stale(
+    before: tuple[Staleness, ...], board: AlertBoard
+) -> dict[tuple[str, str], tuple[str, str]]:
+    """``(model, config)`` → ``(field, reason)`` for each config stale before this check."""
+    was = {(s.model, s.config): (s.field, s.message) for s in before}
+    for alert in board.active():
+        if alert.kind is not AlertKind.STALE_MEASUREMENT or alert.severity is not Severity.WARNING:
+            continue
+        model, config = alert.detail.get("model"), alert.detail.get("config")
+        if not isinstance(model, str) or not isinstance(config, str):
+            continue
+        reason = alert.detail.get("reason")
+        if not isinstance(reason, str):  # raised before the reason was kept in the detail
+            reason = alert.message.removeprefix(f"{model}/{config} counts as unknown: ")
+        was.setdefault((model, config), (str(alert.detail.get("field", "")), reason))
+    return was
+
+
+def _subject(model: str, config: str) -> str:
+    return f"{model}/{config}"
 
 
 def _keys(stale: tuple[Staleness, ...]) -> frozenset[tuple[str, str]]:
