@@ -10,7 +10,8 @@ Fixtures and helpers:
 - ``daemon`` (per module): ``python -m uapplace.daemon`` on that bus, up once it owns
   ``org.uap.Placement1``; stopped with SIGTERM (by PID) at the end.
 - :func:`make_env` / :func:`start_daemon` for tests that need their own daemon
-  (seeded ledger, corrupt files, restarts); :func:`run_cli` runs ``python -m uapplace.cli``;
+  (seeded ledger, corrupt files, restarts), :func:`alpha_resident_daemon` for one that
+  starts with the seeded ``alpha`` resident; :func:`run_cli` runs ``python -m uapplace.cli``;
   :func:`busctl` runs the real ``busctl`` against the private bus.
 
 Tests on a shared daemon use their own client names and models so they never depend
@@ -36,7 +37,7 @@ from typing import Any
 import pytest
 
 from tests.bus.dbusmock_fixtures import private_bus
-from tests.worlds.seed_docs import alpha_model, beta_model
+from tests.worlds.seed_docs import alpha_ledger, alpha_model, beta_model
 from uapplace.bus.client import PlacementClient
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 from uapplace.files.registry import local_measurements
@@ -336,6 +337,22 @@ def wait_published(address: str, model: str = "alpha") -> None:
         return f'"{model}"' in rows.stdout and '"hot"' in rows.stdout
 
     wait_until(hot, f"{model} to pass verify-up and be published hot", timeout=STARTUP_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def alpha_resident_daemon(root: Path, bus_address: str, **env: str) -> Iterator[DaemonProcess]:
+    """uapplaced in :func:`make_env`'s world under ``root`` (``env``: more variables), restored
+    from a ledger with ``alpha`` resident at :data:`SEEDED_ENDPOINT`, once it publishes alpha
+    hot; stopped when the block ends, exiting 0."""
+    uap = make_env(root, bus_address)
+    uap.env.update(env)
+    uap.seed_ledger(alpha_ledger(SEEDED_ENDPOINT))
+    started = start_daemon(uap)
+    try:
+        wait_published(bus_address)
+        yield started
+    finally:
+        assert started.stop() == 0, started.log()
 
 
 @pytest.fixture(scope="module")

@@ -190,6 +190,16 @@ def spawn_template(
     return mock
 
 
+@contextmanager
+def template_running(template: str, address: str, log_dir: Path) -> Iterator[MockService]:
+    """:func:`spawn_template` for the block; the mock is stopped when it ends."""
+    mock = spawn_template(template, address, log_dir)
+    try:
+        yield mock
+    finally:
+        mock.stop()
+
+
 @pytest.fixture(scope="session")
 def session_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with private_bus("session", tmp_path_factory.mktemp("session-bus")) as address:
@@ -204,17 +214,11 @@ def system_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 def notification_daemon(session_bus: str, tmp_path: Path) -> Iterator[MockService]:
-    mock = spawn_template("notification_daemon", session_bus, tmp_path)
-    try:
+    with template_running("notification_daemon", session_bus, tmp_path) as mock:
         yield mock
-    finally:
-        mock.stop()
 
 
 @pytest.fixture
 def polkitd(system_bus: str, tmp_path: Path) -> Iterator[MockService]:
-    mock = spawn_template("polkitd", system_bus, tmp_path)
-    try:
+    with template_running("polkitd", system_bus, tmp_path) as mock:
         yield mock
-    finally:
-        mock.stop()

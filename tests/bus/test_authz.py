@@ -217,12 +217,11 @@ async def test_polkit_coming_and_going_switches_the_rule(
     authorizer = Authorizer(daemon_bus, system_bus, availability_ttl=0)
     try:
         await authorizer.check(caller, Action.MEASURE)
-        mock = dbusmock_fixtures.spawn_template("polkitd", system_bus, tmp_path)
-        try:
-            with pytest.raises(NotAuthorized, match="polkit denies"):
-                await authorizer.check(caller, Action.MEASURE)
-        finally:
-            mock.stop()
+        with (
+            dbusmock_fixtures.template_running("polkitd", system_bus, tmp_path),
+            pytest.raises(NotAuthorized, match="polkit denies"),
+        ):
+            await authorizer.check(caller, Action.MEASURE)
         await authorizer.check(caller, Action.MEASURE)
     finally:
         await authorizer.close()

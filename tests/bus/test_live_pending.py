@@ -25,16 +25,13 @@ from tests.bus.conftest import (
     SEEDED_ENDPOINT,
     DaemonProcess,
     UapEnv,
+    alpha_resident_daemon,
     call_json,
-    make_env,
     run_cli,
-    start_daemon,
-    wait_published,
     wait_until,
 )
 from tests.bus.dbusmock_fixtures import private_bus
 from tests.bus.shim_fixtures import ShimProcess, request, start_shim
-from tests.worlds.seed_docs import alpha_ledger
 from uapplace.io.engines import INFLIGHT_PATH
 
 pytestmark = pytest.mark.bus
@@ -111,15 +108,9 @@ def own_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def daemon(tmp_path: Path, own_bus: str, proxy: tuple[FakeProxy, str]) -> Iterator[DaemonProcess]:
     """uapplaced with ``alpha`` resident (the seeded engine serves it), asking our proxy."""
-    uap = make_env(tmp_path / "uap", own_bus)
-    uap.env.update({"UAP_PROXY_URL": proxy[1], "PROXY_AUTH_TOKEN": PROXY_TOKEN})
-    uap.seed_ledger(alpha_ledger(SEEDED_ENDPOINT))
-    started = start_daemon(uap)
-    try:
-        wait_published(own_bus)
+    proxy_env = {"UAP_PROXY_URL": proxy[1], "PROXY_AUTH_TOKEN": PROXY_TOKEN}
+    with alpha_resident_daemon(tmp_path / "uap", own_bus, **proxy_env) as started:
         yield started
-    finally:
-        assert started.stop() == 0, started.log()
 
 
 @pytest.fixture

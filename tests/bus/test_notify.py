@@ -14,12 +14,12 @@ from dbus_fast.aio import MessageBus
 
 from tests.bus import dbusmock_fixtures
 from tests.bus.dbusmock_fixtures import MockService, spawn_template
+from tests.worlds.builders import parked
 from uapplace.bus.util import bus_daemon_message
 from uapplace.core.model import (
     Holder,
     Option,
     OptionKind,
-    ParkReason,
     PendingEntry,
     Plan,
     PreviewReason,
@@ -86,14 +86,8 @@ def plan(*options: Option, reason: PreviewReason = PreviewReason.OK) -> Plan:
 def entry(
     placement_id: str = "p-1", client: str = "claude-code", model: str = MODEL
 ) -> PendingEntry:
-    return PendingEntry(
-        id=placement_id,
-        requested_model=model,
-        client=client,
-        session="s",
-        created_at=NOW,
-        expires_at=NOW + 600,
-        reason=ParkReason.NOT_RESIDENT,
+    return parked(
+        model, id=placement_id, client=client, session="s", created_at=NOW, expires_at=NOW + 600
     )
 
 

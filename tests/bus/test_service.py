@@ -17,17 +17,16 @@ from dbus_fast.aio import MessageBus
 from tests.bus.conftest import (
     SEEDED_ENDPOINT,
     DaemonProcess,
+    alpha_resident_daemon,
     busctl,
     call,
     call_json,
     make_env,
     spawn_daemon,
     start_daemon,
-    wait_published,
     wait_until,
 )
 from tests.bus.dbusmock_fixtures import private_bus
-from tests.worlds.seed_docs import alpha_ledger
 from uapplace.bus.client import PlacementClient, PlacementError
 from uapplace.bus.util import add_match
 from uapplace.files.ledger import parse_ledger_text
@@ -391,22 +390,16 @@ def exclusive_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_a_seeded_resident_forwards_and_its_use_is_recorded(
     tmp_path: Path, exclusive_bus: str
 ) -> None:
-    uap = make_env(tmp_path, exclusive_bus)
-    uap.seed_ledger(alpha_ledger(SEEDED_ENDPOINT))
-    daemon = start_daemon(uap)
-    try:
-        wait_published(exclusive_bus)
+    with alpha_resident_daemon(tmp_path, exclusive_bus) as daemon:
         forward = call_json(exclusive_bus, "Admit", "sssu", "alpha", "fwd", "s", "0")
         advertised = call_json(exclusive_bus, "Admit", "sssu", "alpha-chat", "fwd", "s", "0")
         residents = busctl(
             exclusive_bus, "get-property", BUS_NAME, OBJECT_PATH, INTERFACE, "Residents"
         )
-    finally:
-        assert daemon.stop() == 0
     assert forward == ["forward", f"gpu0:{SEEDED_ENDPOINT}", "", ""]
     assert advertised == forward
     assert residents.stdout.strip() == 'a(ssss) 1 "alpha" "alpha-q4" "gpu0" "hot"'
-    ledger = uap.read_ledger()
+    ledger = daemon.uap.read_ledger()
     assert "alpha" in ledger["usage"]
     assert ledger["residents"][0]["model"] == "alpha"
 

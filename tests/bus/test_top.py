@@ -19,17 +19,15 @@ from textual.pilot import Pilot
 from textual.widgets import DataTable, Static
 
 from tests.bus.conftest import (
-    SEEDED_ENDPOINT,
     DaemonProcess,
     UapEnv,
+    alpha_resident_daemon,
     call_json,
     make_env,
     run_cli,
     start_daemon,
-    wait_published,
 )
 from tests.bus.dbusmock_fixtures import private_bus
-from tests.worlds.seed_docs import alpha_ledger
 from uapplace.cli.top import ConfirmScreen, LogScreen, TopApp
 
 pytestmark = pytest.mark.bus
@@ -41,15 +39,11 @@ GUARD_S = 20.0
 @pytest.fixture(scope="module")
 def alpha_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     root = tmp_path_factory.mktemp("top")
-    with private_bus("session", root) as address:
-        uap = make_env(root / "uap", address)
-        uap.seed_ledger(alpha_ledger(SEEDED_ENDPOINT))
-        started = start_daemon(uap)
-        try:
-            wait_published(address)
-            yield started
-        finally:
-            assert started.stop() == 0, started.log()
+    with (
+        private_bus("session", root) as address,
+        alpha_resident_daemon(root / "uap", address) as started,
+    ):
+        yield started
 
 
 def park(uap: UapEnv, model: str, client: str) -> str:
@@ -92,6 +86,13 @@ def select(app: TopApp, table_id: str, key: str) -> None:
     table.move_cursor(row=table.get_row_index(key))
 
 
+async def select_parked(pilot: Pilot[None], app: TopApp, placement_id: str) -> None:
+    """Once the parked request's first option shows, select it."""
+    row = f"{placement_id}#1"
+    await until(pilot, "the parked request", lambda: row in app.options)
+    select(app, "pending", row)
+
+
 async def test_bars_residents_targets_and_a_pending_request(alpha_daemon: DaemonProcess) -> None:
     uap = alpha_daemon.uap
     placement_id = park(uap, "beta", "top-shows")
@@ -115,8 +116,7 @@ async def test_dismiss_key_refuses_the_request(alpha_daemon: DaemonProcess) -> N
     placement_id = park(uap, "beta", "top-dismiss")
     app = TopApp(uap.bus_address)
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, "the parked request", lambda: f"{placement_id}#1" in app.options)
-        select(app, "pending", f"{placement_id}#1")
+        await select_parked(pilot, app, placement_id)
         await pilot.press("d")
         await until(pilot, "the dismissal", lambda: placement_id not in pending_ids(uap))
         await until(pilot, "the row to go", lambda: f"{placement_id}#1" not in app.options)
@@ -129,8 +129,7 @@ async def test_apply_key_shows_the_impact_and_sends_its_signature(
     placement_id = park(uap, "beta", "top-apply")
     app = TopApp(uap.bus_address)
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, "the parked request", lambda: f"{placement_id}#1" in app.options)
-        select(app, "pending", f"{placement_id}#1")
+        await select_parked(pilot, app, placement_id)
         await pilot.press("a")
         await until(pilot, "the confirm dialog", lambda: isinstance(app.screen, ConfirmScreen))
         impact = str(app.screen.query_one("#impact", Static).content)

@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from tests.worlds.contained import log_tail
+from tests.worlds.contained import units as units  # the tier's fixture
 from tests.worlds.llama import LlamaModel, LlamaWorld, TinyModels, llama_world
 from uapplace.io.units import UnitManager
 from uapplace.sim.llamacpp import llama_server_path, missing_binary
@@ -72,14 +74,6 @@ def user_manager() -> Iterator[ContainedUserManager]:
     manager.start()
     yield manager
     manager.stop()
-
-
-@pytest.fixture
-async def units(user_manager: ContainedUserManager) -> AsyncIterator[UnitManager]:
-    manager = UnitManager(user_manager.bus_address)
-    await manager.connect()
-    yield manager
-    manager.close()
 
 
 @pytest.fixture
@@ -129,11 +123,7 @@ def pytest_runtest_makereport(
     funcargs = getattr(item, "funcargs", {})
     manager = funcargs.get("user_manager")
     if isinstance(manager, ContainedUserManager):
-        try:
-            tail = manager.log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
-        except (OSError, RuntimeError):
-            tail = "(no log)"
-        report.sections.append(("contained systemd --user log (tail)", tail))
+        report.sections.append(("contained systemd --user log (tail)", log_tail(manager)))
     world = funcargs.get("llama")
     if isinstance(world, LlamaWorld):
         report.sections.append(("llama world logs", world.logs()[-8000:]))

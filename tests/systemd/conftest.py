@@ -6,6 +6,8 @@ docs/architecture.md ("Contained user manager").
   tier. Skips with the reason from ``can_contain()`` where it cannot run; fails
   instead when ``UAPPLACE_REQUIRE_SYSTEMD=1`` (CI).
 - ``units``: a connected :class:`UnitManager` on that manager's bus.
+- ``machine``: those three and ``tmp_path`` in one :class:`Machine`, for a test module's
+  own world fixture.
 - ``sim_gpu``: a fresh simulated GPU (one 24576 MiB device, ``GPU-sim-0000``).
 - ``unit_files``: writes unit files (fake engine or raw), and at the end of the
   test stops every unit it wrote, removes the files and reloads, so tests
@@ -37,9 +39,11 @@ from typing import Any
 import pytest
 
 from tests.bus.conftest import UapEnv, make_env
-from tests.bus.dbusmock_fixtures import MockService, spawn_template
+from tests.bus.dbusmock_fixtures import MockService, template_running
 from tests.systemd import placement_world as placement
 from tests.systemd.live_world import LiveWorld, live_world
+from tests.worlds.contained import log_tail
+from tests.worlds.contained import units as units  # the tier's fixture
 from tests.worlds.steps import APPLY_STEPS as APPLY_STEPS  # the tier's tests import it from here
 from uapplace.controller.dropins import FOLLOW_MARKER
 from uapplace.io.units import UnitManager
@@ -98,20 +102,8 @@ def pytest_runtest_makereport(
     report: pytest.TestReport = yield
     manager = getattr(item, "funcargs", {}).get("user_manager")
     if report.failed and isinstance(manager, ContainedUserManager):
-        try:
-            tail = manager.log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
-        except (OSError, RuntimeError):
-            tail = "(no log)"
-        report.sections.append(("contained systemd --user log (tail)", tail))
+        report.sections.append(("contained systemd --user log (tail)", log_tail(manager)))
     return report
-
-
-@pytest.fixture
-async def units(user_manager: ContainedUserManager) -> AsyncIterator[UnitManager]:
-    manager = UnitManager(user_manager.bus_address)
-    await manager.connect()
-    yield manager
-    manager.close()
 
 
 @pytest.fixture
@@ -204,6 +196,28 @@ async def unit_files(
     await units.reload()
 
 
+@dataclass(frozen=True)
+class Machine:
+    """What a test builds its world on: the contained manager, a unit manager on its bus,
+    the test's unit files and its own folder."""
+
+    user_manager: ContainedUserManager
+    units: UnitManager
+    unit_files: UnitFiles
+    tmp_path: Path
+
+    def uap(self) -> UapEnv:
+        """A private world for a ``uapplaced`` process (as the ``uap`` fixture makes)."""
+        return make_env(self.tmp_path / "uap", self.user_manager.bus_address)
+
+
+@pytest.fixture
+def machine(
+    user_manager: ContainedUserManager, units: UnitManager, unit_files: UnitFiles, tmp_path: Path
+) -> Machine:
+    return Machine(user_manager, units, unit_files, tmp_path)
+
+
 @pytest.fixture
 def uap(user_manager: ContainedUserManager, tmp_path: Path) -> UapEnv:
     """A private world for a ``uapplaced`` process on the contained manager's bus."""
@@ -245,11 +259,8 @@ async def notifications(
     user_manager: ContainedUserManager, tmp_path: Path
 ) -> AsyncIterator[MockService]:
     """python-dbusmock's ``notification_daemon`` on the contained manager's bus."""
-    mock = spawn_template("notification_daemon", user_manager.bus_address, tmp_path)
-    try:
+    with template_running("notification_daemon", user_manager.bus_address, tmp_path) as mock:
         yield mock
-    finally:
-        mock.stop()
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ empty. Then, on the real daemon:
 from __future__ import annotations
 
 import subprocess
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,12 @@ from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
 from tests.bus.dbusmock_fixtures import MockService
-from tests.systemd.conftest import UnitFiles
-from tests.systemd.live_world import GUARD_S, LiveWorld, cli, live_world
+from tests.systemd.live_world import GUARD_S, LiveWorld, cli
 from tests.worlds.exposition import sample
 from uapplace.bus.util import bus_daemon_message
 from uapplace.daemon.notify import URGENCY_CRITICAL
 from uapplace.files.paths import INTERFACE
-from uapplace.io.units import UnitManager
 from uapplace.sim.gpu import SimGpu, sim_uuid
-from uapplace.sim.usermanager import ContainedUserManager
 
 pytestmark = pytest.mark.systemd
 
@@ -41,15 +37,9 @@ ALPHA_MIB = 14000
 
 
 @pytest.fixture
-async def world(
-    notifications: MockService,
-    user_manager: ContainedUserManager,
-    units: UnitManager,
-    unit_files: UnitFiles,
-    tmp_path: Path,
-) -> AsyncIterator[LiveWorld]:
-    async with live_world(tmp_path, user_manager.bus_address, units, unit_files) as live:
-        yield live
+def world(notifications: MockService, live: LiveWorld) -> LiveWorld:
+    """The live machine, started after the notification daemon it notifies through."""
+    return live
 
 
 class OrphanOnStop:

@@ -21,6 +21,7 @@ import pytest
 
 from tests.systemd.conftest import UnitFiles
 from tests.systemd.placement_world import FAST, GUARD_S, World, build_world, close_world
+from tests.worlds.builders import parked
 from uapplace.consent.auto import COOLDOWN_S, AutoRunner, enforcement_envelope_s
 from uapplace.consent.idle import IdleSweep
 from uapplace.core.admission import new_placement_id
@@ -206,14 +207,12 @@ async def test_no_unload_with_an_open_connection_a_pending_demand_or_no_consent(
     now += 3600
 
     # A pending demand for alpha (an entry kept in the ledger, parked for the operator).
-    demand = PendingEntry(
+    demand = parked(
+        "alpha-latest",
         id=new_placement_id(),
-        requested_model="alpha-latest",
         client="client-9",
-        session=None,
         created_at=now,
         expires_at=now + 3600,
-        reason=ParkReason.NOT_RESIDENT,
     )
     controller.admission.restore([demand], now)
     report = await with_alpha.sweep.tick(now + 120)

@@ -36,7 +36,7 @@ import pytest
 from dbus_fast import Message, MessageType
 
 from tests.bus.conftest import DaemonProcess, UapEnv, make_env, start_daemon
-from tests.systemd.conftest import EngineUnit, UnitFiles
+from tests.systemd.conftest import EngineUnit, Machine, UnitFiles
 from tests.systemd.live_world import seed_daemon_files
 from tests.systemd.placement_world import FAST, UnitTimeline, declare_pause_lever, registry_json
 from tests.worlds import polling
@@ -170,12 +170,7 @@ async def resident_states(client: PlacementClient) -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def crash_world(
-    case: Case,
-    user_manager: ContainedUserManager,
-    units: UnitManager,
-    unit_files: UnitFiles,
-    tmp_path: Path,
-    lever: Sequence[str],
+    case: Case, machine: Machine, lever: Sequence[str]
 ) -> AsyncIterator[CrashWorld]:
     """The machine, ``alpha`` started, no daemon yet; ``lever`` is both engines' extra
     arguments (their sleep mode); ``case.pause`` gives both configs a ``pause_lever``."""
@@ -183,7 +178,8 @@ async def crash_world(
     runner, proxy_url = await sim_proxy.start(proxy)
     crash_world: CrashWorld | None = None
     try:
-        uap = make_env(tmp_path / "uap", user_manager.bus_address)
+        units, unit_files = machine.units, machine.unit_files
+        uap = machine.uap()
         sim = SimGpu(Path(uap.env["UAPPLACE_SIM_GPU"]))
         load = ["--load-secs", "0.3", "--kv", "int8", *lever]
         alpha = unit_files.engine("alpha", "alpha", sim, mib=14000, engine_args=load)
@@ -210,16 +206,10 @@ async def crash_world(
 
 
 @pytest.fixture
-async def world(
-    user_manager: ContainedUserManager,
-    units: UnitManager,
-    unit_files: UnitFiles,
-    tmp_path: Path,
-    request: pytest.FixtureRequest,
-) -> AsyncIterator[CrashWorld]:
+async def world(machine: Machine, request: pytest.FixtureRequest) -> AsyncIterator[CrashWorld]:
     case: Case = request.param
     lever = ["--sleep-mode"] if case.pause else []
-    async with crash_world(case, user_manager, units, unit_files, tmp_path, lever) as world:
+    async with crash_world(case, machine, lever) as world:
         yield world
 
 

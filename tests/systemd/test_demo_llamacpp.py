@@ -72,13 +72,22 @@ def section(out: str, start: str, end: str) -> str:
     return out[out.index(start) : out.index(end, out.index(start))]
 
 
-def test_the_real_engine_demo_measures_swaps_unloads_and_loads(
+@pytest.fixture
+def engine_demo(
     contained: None,  # noqa: F811
     ended_demo: list[DemoRun],  # noqa: F811
     llama_server: Path,
-) -> None:
+) -> DemoRun:
+    """``uapplace demo --engine llama.cpp`` started; ``ended_demo`` ends it if the test does not."""
     run = DemoRun.start("--engine", "llama.cpp", env=engine_env())
     ended_demo.append(run)
+    return run
+
+
+def test_the_real_engine_demo_measures_swaps_unloads_and_loads(
+    engine_demo: DemoRun, llama_server: Path
+) -> None:
+    run = engine_demo
     code = run.finish()
     out = run.output
     assert code == 0, out
@@ -128,13 +137,8 @@ def test_the_real_engine_demo_measures_swaps_unloads_and_loads(
     assert_nothing_left(run, sandbox)
 
 
-def test_ctrl_c_while_real_engines_run_removes_everything(
-    contained: None,  # noqa: F811
-    ended_demo: list[DemoRun],  # noqa: F811
-    llama_server: Path,
-) -> None:
-    run = DemoRun.start("--engine", "llama.cpp", env=engine_env())
-    ended_demo.append(run)
+def test_ctrl_c_while_real_engines_run_removes_everything(engine_demo: DemoRun) -> None:
+    run = engine_demo
     run.wait_for("uapplace measure tiny-b: host RSS")  # a llama-server runs
     sandbox = run.sandbox()
     assert any(f"{sandbox}/models/" in line for line in processes_mentioning(str(sandbox))), (

@@ -24,17 +24,14 @@ import asyncio
 import json
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.bus.dbusmock_fixtures import MockService
-from tests.systemd.conftest import UnitFiles
-from tests.systemd.live_world import GUARD_S, LiveWorld, cli, live_world
+from tests.systemd.live_world import GUARD_S, LiveWorld, cli
 from uapplace.io.unitlogs import BLOCK_INDENT
-from uapplace.io.units import UnitManager
 from uapplace.sim.usermanager import ContainedUserManager
 
 pytestmark = pytest.mark.systemd
@@ -43,21 +40,15 @@ ENGINE_SAYS = "uapplace.sim.engine: failing at start (--fail-at-start)"
 
 
 @pytest.fixture
-async def world(
-    notifications: MockService,
-    user_manager: ContainedUserManager,
-    units: UnitManager,
-    unit_files: UnitFiles,
-    tmp_path: Path,
-) -> AsyncIterator[LiveWorld]:
-    async with live_world(
-        tmp_path,
-        user_manager.bus_address,
-        units,
-        unit_files,
-        beta_args=["--fail-at-start"],
-    ) as live:
-        yield live
+def world_options() -> dict[str, Any]:
+    """Beta fails as it starts."""
+    return {"beta_args": ["--fail-at-start"]}
+
+
+@pytest.fixture
+def world(notifications: MockService, live: LiveWorld) -> LiveWorld:
+    """The live machine, started after the notification daemon it notifies through."""
+    return live
 
 
 async def log_to_file(world: LiveWorld, unit_dir: Path, log: Path) -> None:

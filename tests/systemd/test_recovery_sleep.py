@@ -28,12 +28,11 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Coroutine
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.systemd.conftest import UnitFiles
+from tests.systemd.conftest import Machine
 from tests.systemd.test_crash_recovery import (
     GUARD_S,
     Case,
@@ -46,8 +45,6 @@ from tests.systemd.test_crash_recovery import (
 )
 from uapplace.bus.client import PlacementClient, PlacementError
 from uapplace.io import engines
-from uapplace.io.units import UnitManager
-from uapplace.sim.usermanager import ContainedUserManager
 
 pytestmark = pytest.mark.systemd
 
@@ -59,15 +56,11 @@ SETTLED_S = LEVER_S + 1.0
 
 @pytest.fixture
 async def sleep_world(
-    user_manager: ContainedUserManager,
-    units: UnitManager,
-    unit_files: UnitFiles,
-    tmp_path: Path,
-    request: pytest.FixtureRequest,
+    machine: Machine, request: pytest.FixtureRequest
 ) -> AsyncIterator[CrashWorld]:
     lever = ["--sleep-mode", "--sleep-delay", f"{LEVER_S:g}", "--wake-delay", f"{LEVER_S:g}"]
     case: Case = request.param
-    async with crash_world(case, user_manager, units, unit_files, tmp_path, lever) as world:
+    async with crash_world(case, machine, lever) as world:
         yield world
 
 

@@ -29,17 +29,15 @@ from typing import Any
 
 import pytest
 
-from tests.bus.conftest import DaemonProcess, make_env, start_daemon
-from tests.systemd.conftest import EngineUnit, UnitFiles
+from tests.bus.conftest import DaemonProcess, start_daemon
+from tests.systemd.conftest import EngineUnit, Machine
 from tests.systemd.live_world import seed_daemon_files
 from tests.systemd.placement_world import FAST, declare_pause_lever, registry_json
 from tests.worlds import polling
 from uapplace.bus.client import PlacementClient
 from uapplace.io import engines
-from uapplace.io.units import UnitManager
 from uapplace.publish.publication import MEMORY_TICK_S
 from uapplace.sim.gpu import SimGpu
-from uapplace.sim.usermanager import ContainedUserManager
 
 pytestmark = pytest.mark.systemd
 
@@ -75,17 +73,12 @@ class World:
 
 
 @pytest.fixture
-async def world(
-    user_manager: ContainedUserManager,
-    units: UnitManager,
-    unit_files: UnitFiles,
-    tmp_path: Path,
-    request: pytest.FixtureRequest,
-) -> AsyncIterator[World]:
+async def world(machine: Machine, request: pytest.FixtureRequest) -> AsyncIterator[World]:
     lever: str | None = request.param
     timeouts = SLOW_TIMEOUTS if lever == SLOW else TIMEOUTS
     lever = None if lever == SLOW else lever
-    uap = make_env(tmp_path / "uap", user_manager.bus_address)
+    units, unit_files = machine.units, machine.unit_files
+    uap = machine.uap()
     sim = SimGpu(Path(uap.env["UAPPLACE_SIM_GPU"]))
     args = ["--load-secs", "0.2", "--kv", "int8", "--sleep-mode", "--sleep-delay", "0.3"]
     alpha = unit_files.engine("alpha", "alpha", sim, mib=14000, engine_args=args)

@@ -1,10 +1,9 @@
 """The world a controller opens in without a bus: registry files, a simulated GPU, paths.
 
-Shared by ``test_controller.py``, ``test_live_pending.py`` and ``test_publication.py``
-(imported as ``from controller_fixtures import ...``: tests/unit is no package, like
-``enforce_fakes``). Each of them puts its own models (mostly from
-:mod:`tests.worlds.seed_docs`, which the bus tier and the benchmarks share) into
-:func:`registry` and opens it through :func:`registry_paths`.
+Shared by the controller's tests (imported as ``from controller_fixtures import ...``:
+tests/unit is no package, like ``enforce_fakes``). Each of them puts its own models (mostly
+from :mod:`tests.worlds.seed_docs`, which the bus tier and the benchmarks share, or
+:func:`tiny_model`) into :func:`registry` and opens it through :func:`registry_paths`.
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ from uapplace.files.registry import local_measurements
 from uapplace.sim.gpu import SimGpu, sim_uuid
 
 SIM_GPU_MIB = 24576
+TINY_ENDPOINT = "http://127.0.0.1:18090"
+"""Where ``tiny`` (:func:`tiny_model`), a llama-server on the CPU tier, serves."""
 
 
 def registry(models: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -77,3 +78,34 @@ def alpha_resident(state: ResidentState = ResidentState.HOT) -> Resident:
         host_rss_mib=2000,
         since="2026-01-01T00:00:00Z",
     )
+
+
+def tiny_model(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``tiny``: a llama-server on the CPU tier at :data:`TINY_ENDPOINT` (unit ``uap-tiny``),
+    with one config ``c1``."""
+    return {
+        "display": "Tiny",
+        "engine": "llama.cpp",
+        "unit": "uap-tiny",
+        "endpoint": TINY_ENDPOINT,
+        "configs": {"c1": dict(config)},
+    }
+
+
+def tiny_resident(host_rss_mib: float, since: str, **fields: Any) -> Resident:
+    """``tiny/c1`` (:func:`tiny_model`) hot on ``cpu0`` since ``since``, holding no GPU
+    memory and ``host_rss_mib`` of the host's; ``fields``: other :class:`Resident` fields."""
+    values: dict[str, Any] = {
+        "model": "tiny",
+        "config": "c1",
+        "device": "cpu0",
+        "engine": "llama.cpp",
+        "endpoint": TINY_ENDPOINT,
+        "unit": "uap-tiny.service",
+        "state": ResidentState.HOT,
+        "gpu_mib": 0.0,
+        "host_rss_mib": host_rss_mib,
+        "since": since,
+        **fields,
+    }
+    return Resident(**values)

@@ -63,6 +63,7 @@ from uapplace.files.capacity import ServicePolicy
 from uapplace.files.journal import Journal
 from uapplace.files.timeouts import Timeouts
 from uapplace.io.engines import EngineError
+from uapplace.io.router import HTTP_ROUTER, RouterProbe
 from uapplace.io.units import CLD_EXITED, CLD_KILLED, JobOutcome, UnitError, UnitState
 
 GPU = gpu(reserved=0)
@@ -564,6 +565,27 @@ FAST = Timeouts(
 """Tiny bounds: a wait that must fail fails in about 0.1 s."""
 
 
+def fast_enforcer(
+    host: ListHost,
+    units: FakeUnits,
+    journal: Journal,
+    engines: FakeEngines,
+    *,
+    refresher: ProxyRefresher | None = None,
+    routers: RouterProbe = HTTP_ROUTER,
+) -> Enforcer:
+    """An enforcer over the fakes under :data:`FAST` bounds, journaling to ``journal``."""
+    return Enforcer(
+        host,
+        units,
+        timeouts=FAST,
+        journal=journal,
+        engines=engines,
+        refresher=refresher,
+        routers=routers,
+    )
+
+
 class Scene:
     """One world, its journal and an enforcer over them."""
 
@@ -579,13 +601,8 @@ class Scene:
         self.host = self.world.host
         self.units = self.world.units
         self.engines = self.world.engines
-        self.enforcer = Enforcer(
-            self.host,
-            self.units,
-            timeouts=FAST,
-            journal=self.journal,
-            engines=self.engines,
-            refresher=refresher,
+        self.enforcer = fast_enforcer(
+            self.host, self.units, self.journal, self.engines, refresher=refresher
         )
 
     def park(self, model: str) -> PendingEntry:

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from enforce_fakes import (
-    FAST,
     GPU,
     HOST,
     FakeEngines,
     FakeUnits,
     ListHost,
     assert_ended_cleanly,
+    fast_enforcer,
     host_reading,
     measured,
     park_on,
@@ -48,7 +48,6 @@ from uapplace.core.model import (
     Resident,
     ResidentState,
 )
-from uapplace.enforce.enforcer import Enforcer
 from uapplace.files.journal import Journal
 from uapplace.io.router import RouterError, RouterModel
 
@@ -204,13 +203,8 @@ class RouterWorld:
                 self.routers.status[resident.model] = "loaded"
                 self.routers.child[resident.model] = next(self.routers._pids)
         self.host = ListHost(reg=registry, live=list(running), readings=self.readings)
-        self.enforcer = Enforcer(
-            self.host,
-            self.units,
-            timeouts=FAST,
-            journal=self.journal,
-            engines=self.engines,
-            routers=self.routers,
+        self.enforcer = fast_enforcer(
+            self.host, self.units, self.journal, self.engines, routers=self.routers
         )
 
     def readings(self) -> dict[str, DeviceReading]:

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from tests.worlds.builders import parked
 from uapplace.core.admission import (
     MAX_REFUSED,
     REFUSED_WINDOW_S,
@@ -455,15 +456,7 @@ def test_replace_refuses_unknown_ids_and_identity_changes(admission: Admission) 
 
 
 def entry(id: str, client: str, model: str, expires_at: float) -> PendingEntry:
-    return PendingEntry(
-        id=id,
-        requested_model=model,
-        client=client,
-        session=None,
-        created_at=expires_at - 120,
-        expires_at=expires_at,
-        reason=ParkReason.NOT_RESIDENT,
-    )
+    return parked(model, id=id, client=client, created_at=expires_at - 120, expires_at=expires_at)
 
 
 def test_restore_drops_expired_entries(admission: Admission) -> None:

@@ -368,11 +368,59 @@ def test_stale_envelope_is_a_warning(tmp_path: Path) -> None:
     assert "before the footprint" in finding.message
 
 
-def test_measured_on_missing_is_an_error(tmp_path: Path) -> None:
+DELETED = None
+"""A case's value that removes the field instead of setting it."""
+
+
+@pytest.mark.parametrize(
+    ("which", "field", "value", "severity", "says"),
+    [
+        pytest.param(GEMMA, "measured_on", DELETED, "error", "", id="measured_on-missing"),
+        pytest.param(
+            GEMMA, "kv_resident_cells", 70000, "error", "", id="kv_resident_cells-above-the-pool"
+        ),
+        pytest.param(
+            STRATA, "per_session_cap_cells", 131073, "error", "", id="session-cap-above-the-pool"
+        ),
+        pytest.param(
+            GEMMA,
+            "kv_resident_cells",
+            DELETED,
+            "error",
+            "never placeable",
+            id="measured-without-kv_resident_cells",
+        ),
+        pytest.param(
+            GEMMA,
+            "measured_at",
+            DELETED,
+            "error",
+            "fails closed",
+            id="measured-without-measured_at",
+        ),
+        pytest.param(
+            GEMMA,
+            "resident_gpu_mib",
+            24000,
+            "warning",
+            "can never be loaded",
+            id="too-big-for-its-device",
+        ),
+        pytest.param(GEMMA, "host_rss_mib", 120000, "warning", "", id="too-big-for-the-host"),
+    ],
+)
+def test_a_config_field_out_of_bounds_is_one_finding_at_its_path(
+    tmp_path: Path, which: tuple[str, str], field: str, value: int | None, severity: str, says: str
+) -> None:
     registry = registry_doc()
-    del config_of(registry, GEMMA)["measured_on"]
-    finding = only(run(tmp_path, registry), config_path(GEMMA, "measured_on"))
-    assert finding.severity == "error"
+    config = config_of(registry, which)
+    if value is DELETED:
+        del config[field]
+    else:
+        config[field] = value
+    finding = only(run(tmp_path, registry), config_path(which, field))
+    assert finding.severity == severity
+    assert says in finding.message
 
 
 def test_measured_on_undeclared_is_an_error(tmp_path: Path) -> None:
@@ -382,28 +430,6 @@ def test_measured_on_undeclared_is_an_error(tmp_path: Path) -> None:
     assert "gpu0, gpu1" in finding.message
 
 
-def test_kv_resident_cells_above_the_pool_is_an_error(tmp_path: Path) -> None:
-    registry = registry_doc()
-    config_of(registry, GEMMA)["kv_resident_cells"] = 70000
-    finding = only(run(tmp_path, registry), config_path(GEMMA, "kv_resident_cells"))
-    assert finding.severity == "error"
-
-
-def test_per_session_cap_above_the_pool_is_an_error(tmp_path: Path) -> None:
-    registry = registry_doc()
-    config_of(registry, STRATA)["per_session_cap_cells"] = 131073
-    finding = only(run(tmp_path, registry), config_path(STRATA, "per_session_cap_cells"))
-    assert finding.severity == "error"
-
-
-def test_measured_config_without_kv_resident_cells_is_an_error(tmp_path: Path) -> None:
-    registry = registry_doc()
-    del config_of(registry, GEMMA)["kv_resident_cells"]
-    finding = only(run(tmp_path, registry), config_path(GEMMA, "kv_resident_cells"))
-    assert finding.severity == "error"
-    assert "never placeable" in finding.message
-
-
 def test_reserved_above_total_is_an_error(tmp_path: Path) -> None:
     local = {"devices": {"gpu1": {"reserved_mib": 30000}}}
     finding = only(run(tmp_path, local=local), "$.devices.gpu1.reserved_mib")
@@ -411,34 +437,27 @@ def test_reserved_above_total_is_an_error(tmp_path: Path) -> None:
     assert finding.file == str(tmp_path / "home" / "model-registry.json")
 
 
-def test_service_missing_from_the_policy_is_an_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("service", "says"),
+    [
+        pytest.param("mistral-server", "strata-server", id="missing-from-the-policy"),
+        pytest.param("gemma-server", "uap-mistral-server", id="whose-unit-no-config-runs"),
+    ],
+)
+def test_a_service_the_policy_does_not_run_for_the_model_is_an_error(
+    tmp_path: Path, service: str, says: str
+) -> None:
     registry = registry_doc()
-    registry["models"]["mistral-small-4"]["service"] = "mistral-server"
+    registry["models"]["mistral-small-4"]["service"] = service
     finding = only(run(tmp_path, registry), "$.models.mistral-small-4.service")
     assert finding.severity == "error"
-    assert "strata-server" in finding.message
-
-
-def test_service_whose_unit_no_config_runs_is_an_error(tmp_path: Path) -> None:
-    registry = registry_doc()
-    registry["models"]["mistral-small-4"]["service"] = "gemma-server"
-    finding = only(run(tmp_path, registry), "$.models.mistral-small-4.service")
-    assert finding.severity == "error"
-    assert "uap-mistral-server" in finding.message
+    assert says in finding.message
 
 
 def test_service_unit_matches_with_or_without_the_suffix(tmp_path: Path) -> None:
     policy = policy_doc()
     service_of(policy, "gemma-server")["unit"] = "uap-gemma-server.service"
     assert not has_errors(run(tmp_path, policy=policy))
-
-
-def test_measured_config_without_measured_at_is_an_error(tmp_path: Path) -> None:
-    registry = registry_doc()
-    del config_of(registry, GEMMA)["measured_at"]
-    finding = only(run(tmp_path, registry), config_path(GEMMA, "measured_at"))
-    assert finding.severity == "error"
-    assert "fails closed" in finding.message
 
 
 def test_invalid_model_unit_name_is_an_error(tmp_path: Path) -> None:
@@ -475,22 +494,6 @@ def test_a_config_key_shared_by_two_models_is_a_warning(tmp_path: Path) -> None:
     registry = registry_doc()
     registry["models"]["mistral-small-4"]["configs"]["llama-mtp"] = {"status": "unmeasured"}
     finding = only(run(tmp_path, registry), "$.models.mistral-small-4.configs")
-    assert finding.severity == "warning"
-
-
-def test_config_too_big_for_its_device_is_a_warning(tmp_path: Path) -> None:
-    registry = registry_doc()
-    config_of(registry, GEMMA)["resident_gpu_mib"] = 24000
-    findings = run(tmp_path, registry)
-    finding = only(findings, config_path(GEMMA, "resident_gpu_mib"))
-    assert finding.severity == "warning"
-    assert "can never be loaded" in finding.message
-
-
-def test_config_too_big_for_the_host_is_a_warning(tmp_path: Path) -> None:
-    registry = registry_doc()
-    config_of(registry, GEMMA)["host_rss_mib"] = 120000
-    finding = only(run(tmp_path, registry), config_path(GEMMA, "host_rss_mib"))
     assert finding.severity == "warning"
 
 

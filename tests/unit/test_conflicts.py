@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.worlds import builders
-from tests.worlds.builders import MEASURED_AT, gpu
+from tests.worlds.builders import MEASURED_AT, cpu_reading, gpu, gpu_reading
 from uapplace.core.conflicts import (
     Placement,
     candidate_devices,
@@ -35,11 +35,9 @@ from uapplace.core.model import (
     Config,
     ConfigStatus,
     Device,
-    DeviceKind,
     DeviceReading,
     Model,
     OptionKind,
-    ProbeSource,
     Registry,
     Resident,
     ResidentState,
@@ -54,7 +52,7 @@ HOST_MIB = 1_000_000
 
 
 def host() -> Device:
-    return Device("cpu0", DeviceKind.CPU, HOST_MIB, 0)
+    return builders.cpu(HOST_MIB, 0)
 
 
 def measured(key: str, mib: float, on: str, unit: str | None = None, **extra: Any) -> Config:
@@ -77,13 +75,8 @@ def registry(devices: list[Device], models: list[Model]) -> Registry:
 
 
 def readings(reg: Registry) -> dict[str, DeviceReading]:
-    out = {
-        d.key: DeviceReading(d.key, d.kind, d.total_mib, d.total_mib, ProbeSource.SIM)
-        for d in reg.gpus()
-    }
-    out["cpu0"] = DeviceReading(
-        "cpu0", DeviceKind.CPU, HOST_MIB, HOST_MIB, ProbeSource.MEMAVAILABLE
-    )
+    out = {d.key: gpu_reading(d.total_mib, d.total_mib, key=d.key) for d in reg.gpus()}
+    out["cpu0"] = cpu_reading(HOST_MIB, HOST_MIB)
     return out
 
 

@@ -25,6 +25,7 @@ from enforce_fakes import (
 )
 from pydantic import ValidationError
 
+from tests.worlds.bus_forms import displace
 from uapplace.cli.enforce import apply_impact
 from uapplace.core.errors import Drifted
 from uapplace.core.model import (
@@ -69,30 +70,30 @@ def assert_untouched(scene: Scene) -> None:
     scene.assert_ended_cleanly()
 
 
-async def test_the_stop_signature_on_the_pause_form_is_drifted_and_stops_nothing(
-    scene: Scene,
+@pytest.mark.parametrize(
+    ("form", "sent", "says"),
+    [
+        pytest.param(
+            PAUSE,
+            STOP,
+            r"approved \[coder/c1\], now \[coder/c1@pause\] for the chosen",
+            id="stop-signature-on-the-pause-form",
+        ),
+        pytest.param(
+            STOP,
+            PAUSE,
+            r"approved \[coder/c1@pause\], now \[coder/c1\] for the chosen",
+            id="pause-signature-on-the-stop-form",
+        ),
+    ],
+)
+async def test_the_other_forms_signature_is_drifted_and_neither_stops_nor_pauses(
+    scene: Scene, form: str, sent: str, says: str
 ) -> None:
     entry = scene.park("beta")
-    pause_form = index_of(scene, PAUSE)
 
-    with pytest.raises(
-        Drifted, match=r"approved \[coder/c1\], now \[coder/c1@pause\] for the chosen"
-    ):
-        await scene.enforcer.apply(entry, pause_form, [STOP])
-
-    assert_untouched(scene)
-
-
-async def test_the_pause_signature_on_the_stop_form_is_drifted_and_pauses_nothing(
-    scene: Scene,
-) -> None:
-    entry = scene.park("beta")
-    stop_form = index_of(scene, STOP)
-
-    with pytest.raises(
-        Drifted, match=r"approved \[coder/c1@pause\], now \[coder/c1\] for the chosen"
-    ):
-        await scene.enforcer.apply(entry, stop_form, [PAUSE])
+    with pytest.raises(Drifted, match=says):
+        await scene.enforcer.apply(entry, index_of(scene, form), [sent])
 
     assert_untouched(scene)
 
@@ -177,15 +178,7 @@ class PendingClient:
 
 async def test_the_cli_sends_the_full_signature_it_previewed() -> None:
     victim = {"model": "coder", "config": "c1", "action": "pause", "frees_mib": 16000}
-    pause_form = {
-        "kind": "displace",
-        "model": "beta",
-        "config": "b1",
-        "device": "gpu0",
-        "cost_mib": 16000,
-        "victims": [victim],
-        "signature": [PAUSE],
-    }
+    pause_form = displace("beta", "b1", 16000, victim, signature=[PAUSE])
     stop_form = {**pause_form, "victims": [{**victim, "action": "stop"}], "signature": [STOP]}
     client: Any = PendingClient([stop_form, pause_form])
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from controller_fixtures import registry, registry_paths
+from controller_fixtures import registry, registry_paths, tiny_model, tiny_resident
 
 from tests.worlds.polling import until_sync
 from uapplace.controller import views
@@ -33,22 +33,17 @@ MEASURED_AT = "2026-12-03T10:00:00Z"
 
 def tiny(host_rss_mib: float | None) -> dict[str, Any]:
     """A llama-server on the CPU tier; ``None``: its config is not measured yet."""
-    config: dict[str, Any] = {"status": "unmeasured"}
-    if host_rss_mib is not None:
-        config = {
+    if host_rss_mib is None:
+        return tiny_model({"status": "unmeasured"})
+    return tiny_model(
+        {
             "resident_gpu_mib": 0,
             "host_rss_mib": host_rss_mib,
             "kv_resident_cells": 32768,
             "measured_at": MEASURED_AT,
             "measured_on": "cpu0",
         }
-    return {
-        "display": "Tiny",
-        "engine": "llama.cpp",
-        "unit": "uap-tiny",
-        "endpoint": "http://127.0.0.1:18090",
-        "configs": {"c1": config},
-    }
+    )
 
 
 def world(host_rss_mib: float | None, **cpu0: int) -> dict[str, Any]:
@@ -63,18 +58,7 @@ def remeasure(paths: Paths, doc: dict[str, Any]) -> None:
 
 
 def resident(host_rss_mib: float, state: ResidentState = ResidentState.HOT) -> Resident:
-    return Resident(
-        model="tiny",
-        config="c1",
-        device="cpu0",
-        engine="llama.cpp",
-        endpoint="http://127.0.0.1:18090",
-        unit="uap-tiny.service",
-        state=state,
-        gpu_mib=0.0,
-        host_rss_mib=host_rss_mib,
-        since=MEASURED_AT,
-    )
+    return tiny_resident(host_rss_mib, MEASURED_AT, state=state)
 
 
 @pytest.fixture

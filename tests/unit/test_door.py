@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.worlds.builders import parked
 from uapplace.controller.door import NOT_YET_WIRED, EnforcementDoor
 from uapplace.controller.ports import EnforcementParts, Signature
 from uapplace.core.errors import Busy, InvalidArgument, NotFound, Unavailable, UnknownModel
@@ -17,7 +18,6 @@ from uapplace.core.model import (
     Model,
     Option,
     OptionKind,
-    ParkReason,
     PendingEntry,
     Registry,
 )
@@ -31,15 +31,8 @@ ALPHA = Model(
     endpoint="http://127.0.0.1:18080",
     configs={"a1": Config(key="a1", status=ConfigStatus.MEASURED, resident_gpu_mib=100.0)},
 )
-ENTRY = PendingEntry(
-    id="plc-000001",
-    requested_model="alpha",
-    client="c",
-    session=None,
-    created_at=0.0,
-    expires_at=1e12,
-    reason=ParkReason.NOT_RESIDENT,
-    options=(Option(OptionKind.LOAD_ALONGSIDE, "alpha", "a1", "gpu0", 100.0, ()),),
+ENTRY = parked(
+    "alpha", Option(OptionKind.LOAD_ALONGSIDE, "alpha", "a1", "gpu0", 100.0, ()), client="c"
 )
 
 

@@ -4,6 +4,8 @@ sleeping server."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from aiohttp import web
 from http_fixtures import closed_port_url, serving
@@ -129,24 +131,22 @@ ALIASED_MODELS = {
 entry, its ``id`` the alphabetically first alias, ``aliases`` holding both."""
 
 
-async def test_served_ids_include_every_alias_of_a_llama_cpp_model() -> None:
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response(ALIASED_MODELS)
-
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    async with serving(app) as url:
-        assert await engines.served_ids(url) == ["alpha-chat", "zeta"]
+NO_ALIASES = {"data": [{"id": "qwen"}, {"id": "qwen-27b", "aliases": None}]}
+"""vLLM and the OpenAI shape have no ``aliases``; ``null`` counts as none."""
 
 
-async def test_served_ids_without_aliases_are_the_ids() -> None:
-    """vLLM and the OpenAI shape have no ``aliases``; ``null`` counts as none."""
-    body = {"data": [{"id": "qwen"}, {"id": "qwen-27b", "aliases": None}]}
-
+@pytest.mark.parametrize(
+    ("body", "ids"),
+    [
+        pytest.param(ALIASED_MODELS, ["alpha-chat", "zeta"], id="every-alias-of-a-llama-cpp-model"),
+        pytest.param(NO_ALIASES, ["qwen", "qwen-27b"], id="without-aliases-the-ids"),
+    ],
+)
+async def test_served_ids_are_every_id_and_alias_served(body: Any, ids: list[str]) -> None:
     async def models(_: web.Request) -> web.Response:
         return web.json_response(body)
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
     async with serving(app) as url:
-        assert await engines.served_ids(url) == ["qwen", "qwen-27b"]
+        assert await engines.served_ids(url) == ids

@@ -23,7 +23,8 @@ from llama_shapes import LlamaShapes
 from rich.console import Console
 from sink_fakes import ListSink
 
-from tests.worlds.builders import MEASURED_AT, cpu, measured
+from tests.worlds import builders
+from tests.worlds.builders import MEASURED_AT, cpu, cpu_reading, measured
 from uapplace.cli import render
 from uapplace.controller.reserve import ReserveWatch, device_rooms
 from uapplace.core.alerts import Alert, AlertBoard, AlertKind, Severity
@@ -89,9 +90,7 @@ def resident(
 
 
 def reading(free_mib: float, total_mib: float = 4_000) -> dict[str, DeviceReading]:
-    return {
-        "cpu0": DeviceReading("cpu0", DeviceKind.CPU, total_mib, free_mib, ProbeSource.MEMAVAILABLE)
-    }
+    return {"cpu0": cpu_reading(total_mib, free_mib)}
 
 
 SLEEPER = model("sleeper", 833.0)
@@ -287,12 +286,12 @@ def test_the_host_below_its_reserve_raises_one_alert_per_crossing() -> None:
     assert watch.check(reg, [bigger], reading(3_700)) == {"cpu0"}
     assert len(board.raised) == 2
     assert "at their measured footprints hold 3900 MiB of 4000" in board.raised[1].message
-    unreadable = {"cpu0": DeviceReading("cpu0", DeviceKind.CPU, 0, 0, ProbeSource.ABSENT)}
+    unreadable = {"cpu0": replace(cpu_reading(0, 0), source=ProbeSource.ABSENT)}
     assert watch.check(reg, [bigger], unreadable) == {"cpu0"}  # left as it was
 
 
 def test_each_devices_room_is_the_planners_count() -> None:
-    gpu = Device("gpu0", DeviceKind.GPU, 24_576, 1_024)
+    gpu = builders.gpu(reserved=1_024)
     reg = Registry({"gpu0": gpu, "cpu0": HOST}, {})
     on_gpu = replace(ASLEEP, device="gpu0", gpu_mib=8_000.0)
     rooms = device_rooms(reg, [ASLEEP, on_gpu], reading(3_700))

@@ -21,14 +21,11 @@ from controller_fixtures import registry, registry_paths
 from http_fixtures import serving
 from llama_shapes import BUILD_INFO, LlamaShapes
 
+from tests.worlds.builders import gpu, measured
 from uapplace.controller.controller import Controller
 from uapplace.core.admission import Admission
 from uapplace.core.alerts import Alert, AlertBoard, AlertKind, Severity
 from uapplace.core.model import (
-    Config,
-    ConfigStatus,
-    Device,
-    DeviceKind,
     DeviceReading,
     Model,
     ParkReason,
@@ -45,19 +42,11 @@ from uapplace.publish.publication import WRONG_ENGINE_FIRST_S, WRONG_ENGINE_MAX_
 from uapplace.sim.engine import EngineOptions, FakeEngine
 
 NOW = 1_800_000_000.0
-A1 = Config(
-    "a1",
-    ConfigStatus.MEASURED,
-    resident_gpu_mib=8000,
-    host_rss_mib=64,
-    kv_resident_cells=32768,
-    measured_at="2026-10-08T14:02:00Z",
-    measured_on="gpu0",
-)
+A1 = measured("a1", 8000, host_mib=64)
 ALPHA = Model(
     "alpha", "Alpha", "llama.cpp", {"a1": A1}, unit="a.service", advertises=("alpha-latest",)
 )
-REGISTRY = Registry({"gpu0": Device("gpu0", DeviceKind.GPU, 24576, 0)}, {"alpha": ALPHA})
+REGISTRY = Registry({"gpu0": gpu(reserved=0)}, {"alpha": ALPHA})
 POLICY = ServicePolicy("alpha-server", None, {"kv": "int8"}, (), None)
 
 

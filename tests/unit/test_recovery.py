@@ -19,14 +19,13 @@ from typing import Any
 
 import pytest
 
+from tests.worlds.builders import gpu_reading
 from uapplace.core.alerts import Alert, AlertBoard, AlertKind, Severity
 from uapplace.core.model import (
     Config,
     ConfigStatus,
-    DeviceKind,
     DeviceReading,
     Model,
-    ProbeSource,
     ProcessUsage,
     Registry,
     Resident,
@@ -252,10 +251,7 @@ class FakeHost:
         return self.policy if self.policy is not None and model.key == "beta" else None
 
     async def read_devices(self) -> Mapping[str, DeviceReading]:
-        reading = DeviceReading(
-            "gpu0", DeviceKind.GPU, 24576.0, self.free_mib, ProbeSource.SIM, self.processes
-        )
-        return {"gpu0": reading}
+        return {"gpu0": gpu_reading(24576.0, self.free_mib, processes=self.processes)}
 
     def _note_alert(self, alert: Alert) -> None:
         self.alerts.append(

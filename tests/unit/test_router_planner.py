@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tests.worlds.builders import MEASURED_AT, cpu, gpu, measured
+from tests.worlds.builders import MEASURED_AT, cpu, cpu_reading, gpu, gpu_reading, measured
 from uapplace.core.model import (
     Config,
-    DeviceKind,
-    DeviceReading,
     Model,
     OptionKind,
-    ProbeSource,
     Registry,
     Resident,
     ResidentState,
@@ -58,10 +55,8 @@ def resident(m: Model, state: ResidentState = ResidentState.HOT) -> Resident:
 
 def inputs(reg: Registry, residents: Sequence[Resident], host_free: float = 6_000.0) -> PlanInput:
     readings = {
-        "gpu0": DeviceReading("gpu0", DeviceKind.GPU, CARD.total_mib, 0.0, ProbeSource.SIM),
-        "cpu0": DeviceReading(
-            "cpu0", DeviceKind.CPU, HOST.total_mib, host_free, ProbeSource.MEMAVAILABLE
-        ),
+        "gpu0": gpu_reading(CARD.total_mib, 0.0),
+        "cpu0": cpu_reading(HOST.total_mib, host_free),
     }
     return PlanInput(reg, tuple(residents), readings)
 

@@ -21,10 +21,9 @@ from http_fixtures import closed_port_url, serving
 from sink_fakes import ListSink
 from test_engine_sleep import sleepy_engine
 
-from tests.worlds.builders import MEASURED_AT, gpu, measured
+from tests.worlds.builders import MEASURED_AT, gpu, gpu_reading, measured
 from uapplace.core.alerts import AlertKind, Severity
 from uapplace.core.model import (
-    DeviceKind,
     DeviceReading,
     Model,
     ProbeSource,
@@ -93,8 +92,8 @@ class Host(ListSink):
 
     async def read_devices(self) -> Mapping[str, DeviceReading]:
         used = sum(p.used_mib for p in self.processes)
-        reading = DeviceReading(
-            "gpu0", DeviceKind.GPU, 24_576, 24_576 - used, ProbeSource.NVML, self.processes
+        reading = gpu_reading(
+            24_576, 24_576 - used, source=ProbeSource.NVML, processes=self.processes
         )
         return {"gpu0": reading}
 
@@ -150,7 +149,7 @@ def test_memory_collapse_needs_a_real_figure_before() -> None:
 
 def test_held_mib_counts_only_the_residents_pids() -> None:
     processes = (ProcessUsage(10, 3_000.0), ProcessUsage(11, 500.0), ProcessUsage(99, 7.0))
-    reading = DeviceReading("gpu0", DeviceKind.GPU, 24_576, 0, ProbeSource.NVML, processes)
+    reading = gpu_reading(24_576, 0, source=ProbeSource.NVML, processes=processes)
     assert held_mib({"gpu0": reading}, "gpu0", [10, 11]) == 3_500.0
     assert held_mib({"gpu0": reading}, "gpu0", [12]) == 0.0
     assert held_mib({"gpu0": reading}, "gpu0", []) is None
@@ -379,29 +378,24 @@ async def test_reverification_after_an_unpublish_waits_until_the_engine_is_awake
     async with serving(engine.app) as url:
         warming = resident("alpha", endpoint=url, state=ResidentState.WARMING)
         host.put_resident(warming)
-        verified = await verify_until_ok(
-            host,
-            warming,
-            "uap-alpha.service",
-            lambda: host.by_model().get("alpha"),
-            first_poll_s=0.01,
-            max_poll_s=0.02,
-            http_s=2.0,
-            sleep=pause,
-            ask_sleep=True,
-        )
+
+        async def verify(*, ask_sleep: bool) -> Resident | None:
+            return await verify_until_ok(
+                host,
+                warming,
+                "uap-alpha.service",
+                lambda: host.by_model().get("alpha"),
+                first_poll_s=0.01,
+                max_poll_s=0.02,
+                http_s=2.0,
+                sleep=pause,
+                ask_sleep=ask_sleep,
+            )
+
+        verified = await verify(ask_sleep=True)
         assert verified is not None and len(slept) == 3
         engine.vllm_asleep = True  # without ask_sleep a config with no lever is not asked
-        plain = await verify_until_ok(
-            host,
-            warming,
-            "uap-alpha.service",
-            lambda: host.by_model().get("alpha"),
-            first_poll_s=0.01,
-            max_poll_s=0.02,
-            http_s=2.0,
-            sleep=pause,
-        )
+        plain = await verify(ask_sleep=False)
         assert plain is not None and len(slept) == 3
 
 

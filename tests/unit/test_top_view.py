@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.worlds.bus_forms import displace
 from uapplace.cli.top_view import (
     FREE,
     FULL,
@@ -65,15 +66,7 @@ def test_pending_rows_one_per_option_and_the_impact_names_the_victims() -> None:
         "holders": [{"client": "eval", "kind": "hold"}],
         "consequence": "reload ≈ 38 s",
     }
-    option = {
-        "kind": "displace",
-        "model": "beta",
-        "config": "b1",
-        "device": "gpu0",
-        "cost_mib": 16000,
-        "victims": [victim],
-        "frees_mib": 14000,
-    }
+    option = displace("beta", "b1", 16000, victim, frees_mib=14000)
     entry = {
         "id": "plc-1a2b3c",
         "requested_model": "beta",

@@ -7,17 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.worlds.builders import cpu, cpu_reading, gpu, gpu_reading, measured
 from uapplace.core.model import (
     Config,
     ConfigStatus,
-    Device,
-    DeviceKind,
-    DeviceReading,
     Holder,
     Model,
     OptionKind,
     Plan,
-    ProbeSource,
     Registry,
     Resident,
     ResidentState,
@@ -161,26 +158,13 @@ def test_a_bad_single_upstream_names_the_field(tmp_path: Path) -> None:
 
 def planned(single_upstream: str | None, holders: tuple[Holder, ...] = ()) -> Plan:
     """Plan ``beta`` (4 GiB) on a 24 GiB card where ``alpha`` (4 GiB) is resident."""
-
-    def measured(key: str) -> Config:
-        return Config(
-            key,
-            ConfigStatus.MEASURED,
-            resident_gpu_mib=4096,
-            host_rss_mib=1000,
-            kv_resident_cells=32768,
-            measured_at="2026-10-08T14:02:00Z",
-            measured_on="gpu0",
-        )
-
     models = {
-        key: Model(key, key, "llama.cpp", {f"{key}-q": measured(f"{key}-q")}, endpoint=UPSTREAM)
+        key: Model(
+            key, key, "llama.cpp", {f"{key}-q": measured(f"{key}-q", 4096)}, endpoint=UPSTREAM
+        )
         for key in ("alpha", "beta")
     }
-    devices = {
-        "gpu0": Device("gpu0", DeviceKind.GPU, 24576, 1024),
-        "cpu0": Device("cpu0", DeviceKind.CPU, 65536, 1024),
-    }
+    devices = {"gpu0": gpu(reserved=1024), "cpu0": cpu(65536, 1024)}
     registry = Registry(devices, models, single_upstream=single_upstream)
     alpha = Resident(
         "alpha",
@@ -195,10 +179,7 @@ def planned(single_upstream: str | None, holders: tuple[Holder, ...] = ()) -> Pl
         "2026-10-08T14:02:00Z",
         holders,
     )
-    readings = {
-        "gpu0": DeviceReading("gpu0", DeviceKind.GPU, 24576, 20000, ProbeSource.SIM),
-        "cpu0": DeviceReading("cpu0", DeviceKind.CPU, 65536, 60000, ProbeSource.MEMAVAILABLE),
-    }
+    readings = {"gpu0": gpu_reading(24576, 20000), "cpu0": cpu_reading(65536, 60000)}
     return plan(PlanInput(registry, (alpha,), readings), "beta")
 
 
