@@ -7,9 +7,10 @@
   scripted: a load that fails (``failed``, exit code 1), one that never ends
   (``loading``), an unload the child ignores.
 - :class:`RouterWorld`: one router unit hosting ``ra`` (14,000 MiB) and ``rb``
-  (16,000 MiB) on a 24 GiB gpu0 where they never fit together, the enforcement fakes
-  around it, gpu0's reading derived from the loaded models, and a real
-  :class:`~uapplace.enforce.enforcer.Enforcer` with tiny bounds.
+  (16,000 MiB) on a 24 GiB gpu0 where they never fit together (and, when asked, small
+  sibling models beside them), the enforcement fakes around it, gpu0's reading derived
+  from the loaded models, and a real :class:`~uapplace.enforce.enforcer.Enforcer` with
+  tiny bounds. The start-up repair of a router run over it: ``test_recovery_router``.
 
 The same flows on a contained ``systemd --user`` with the fake router as a real unit:
 ``tests/systemd/test_router_pause.py``.
@@ -18,9 +19,10 @@ The same flows on a contained ``systemd --user`` with the fake router as a real 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from enforce_fakes import (
@@ -150,12 +152,14 @@ def router_model(key: str, mib: float) -> Model:
     )
 
 
-def router_registry() -> Registry:
-    models = {key: router_model(key, mib) for key, mib in MIB.items()}
+def router_registry(mib: Mapping[str, float] = MIB) -> Registry:
+    models = {key: router_model(key, size) for key, size in mib.items()}
     return Registry({GPU.key: GPU, HOST.key: HOST}, models)
 
 
-def router_resident(model: str, state: ResidentState = ResidentState.HOT) -> Resident:
+def router_resident(
+    model: str, state: ResidentState = ResidentState.HOT, mib: float | None = None
+) -> Resident:
     paused = state is ResidentState.PAUSED
     return Resident(
         model=model,
@@ -165,14 +169,15 @@ def router_resident(model: str, state: ResidentState = ResidentState.HOT) -> Res
         endpoint=ROUTER,
         unit=ROUTER_UNIT,
         state=state,
-        gpu_mib=0.0 if paused else MIB[model],
+        gpu_mib=0.0 if paused else (mib if mib is not None else MIB[model]),
         host_rss_mib=0.0 if paused else 64.0,
         since=MEASURED_AT,
     )
 
 
 class RouterWorld:
-    """The router unit, ``ra``/``rb``, the fakes around them and an enforcer."""
+    """The router unit, ``ra``/``rb`` (and ``siblings``: model key → MiB, more models of
+    the same router), the fakes around them and an enforcer."""
 
     def __init__(
         self,
@@ -181,8 +186,10 @@ class RouterWorld:
         *,
         router_up: bool = True,
         extra: Sequence[Model] = (),
+        siblings: Mapping[str, float] = MappingProxyType({}),
     ) -> None:
-        registry = router_registry()
+        self.mib = {**MIB, **siblings}
+        registry = router_registry(self.mib)
         if extra:
             registry = replace(registry, models={**registry.models, **{m.key: m for m in extra}})
         self.journal = Journal(tmp_path / "enforcement-journal.json")
@@ -194,8 +201,8 @@ class RouterWorld:
             assert model.endpoint is not None and model.unit is not None
             endpoints[model.endpoint] = f"{model.unit}.service"
         self.engines = FakeEngines(self.units, endpoints, journal=self.journal)
-        self.engines.served[ROUTER] = sorted(MIB)
-        self.routers = FakeRouters(self.units, {ROUTER: ROUTER_UNIT}, {ROUTER: sorted(MIB)})
+        self.engines.served[ROUTER] = sorted(self.mib)
+        self.routers = FakeRouters(self.units, {ROUTER: ROUTER_UNIT}, {ROUTER: sorted(self.mib)})
         for resident in running:
             if resident.unit != ROUTER_UNIT:
                 self.units.already_running(resident.unit or "")
@@ -210,7 +217,7 @@ class RouterWorld:
     def readings(self) -> dict[str, DeviceReading]:
         """gpu0 holds what the loaded router models (and running extra units) hold."""
         processes = [
-            ProcessUsage(self.routers.child[m], MIB[m], f"llama-server --alias {m}")
+            ProcessUsage(self.routers.child[m], self.mib[m], f"llama-server --alias {m}")
             for m in self.routers.loaded_ids()
             if m in self.routers.child
         ]

@@ -1,12 +1,19 @@
 """What the start-up repair observes: unit states, the publication check, ``/is_sleeping``,
-free device memory.
+a llama.cpp router's model statuses, free device memory.
 
 :class:`RunChecks` answers the questions the table of :mod:`uapplace.recovery.recover` asks
 about one journaled run (is the new unit up and verified, is a victim asleep, is
 there room to restart the victims); :class:`~uapplace.recovery.repair.Repair` decides
 and acts on the answers. It changes nothing itself: it reads units through
 :class:`~uapplace.io.seams.UnitControl`, engines through
-:class:`~uapplace.io.seams.EngineProbe` and devices through :class:`RecoveryHost`.
+:class:`~uapplace.io.seams.EngineProbe`, routers through
+:class:`~uapplace.io.router.RouterProbe` and devices through :class:`RecoveryHost`.
+
+A resident that is one model of a llama.cpp router (``pause_lever: llamacpp-router``,
+:meth:`RunChecks.slot_of`) is judged by its router's ``GET /models``, never by its unit
+(the router's, shared with its siblings) nor by ``/is_sleeping``: it runs while its
+status is ``loading``/``loaded``/``sleeping`` (its child holds memory), it is asleep
+(paused, holding nothing) once the router says ``unloaded``.
 """
 
 from __future__ import annotations
@@ -27,12 +34,14 @@ from uapplace.core.model import (
     ResidentState,
     processes_text,
 )
-from uapplace.core.steps import PAUSE, ROLLBACK_WAKE
+from uapplace.core.steps import PAUSE, ROLLBACK_WAKE, STOP
 from uapplace.core.topology import verify_endpoint
+from uapplace.core.unitnames import unit_file_name
 from uapplace.core.victims import config_of
 from uapplace.files.capacity import ServicePolicy
 from uapplace.files.journal import RunRecord
-from uapplace.io import engines
+from uapplace.io import engines, router
+from uapplace.io.router import HTTP_ROUTER, RouterError, RouterModel, RouterProbe, RouterSlot
 from uapplace.io.seams import EngineProbe, UnitControl
 from uapplace.io.units import (
     DOWN_STATES,
@@ -87,14 +96,17 @@ class RunChecks:
         units: UnitControl,
         timeouts: Timeouts,
         probe: EngineProbe,
+        routers: RouterProbe = HTTP_ROUTER,
     ) -> None:
         self.record = record
         self.host = host
         self.units = units
         self.timeouts = timeouts
         self.probe = probe
+        self.routers = routers
         self.asleep_seen: set[str] = set()
-        """``model/config`` of every resident ``/is_sleeping`` said true for."""
+        """``model/config`` of every resident seen asleep (``/is_sleeping`` true, or a
+        router model its router says is ``unloaded``)."""
 
     async def state(self, unit: str) -> UnitState:
         """``unit`` as systemd reports it now."""
@@ -106,6 +118,70 @@ class RunChecks:
         if unit is None:  # enforcement never stops a unitless resident; treat it as running
             return UnitState("active", "running", "loaded", 0, "")
         return await self.state(unit)
+
+    # ------------------------------------------------------------------ router models
+
+    def slot_of(self, resident: Resident | None) -> RouterSlot | None:
+        """Where ``resident`` lives when it is one model of a llama.cpp router (its
+        registry config's ``pause_lever`` is ``llamacpp-router``), else ``None``."""
+        if resident is None or resident.unit is None or resident.endpoint is None:
+            return None
+        model = self.host.registry().models.get(resident.model)
+        if model is None or not router.is_router_config(model.configs.get(resident.config)):
+            return None
+        return RouterSlot(
+            unit_file_name(resident.unit), resident.endpoint, router.router_model_id(model)
+        )
+
+    async def router_status(self, slot: RouterSlot) -> RouterModel | None:
+        """The model's entry in its router's ``GET /models``; ``None`` when the router does
+        not answer (or does not list it)."""
+        try:
+            return await router.status_of(
+                self.routers, slot.endpoint, slot.model_id, self.timeouts.http_s
+            )
+        except RouterError:
+            return None
+
+    async def routed_running(self, slot: RouterSlot) -> bool:
+        """The router model's child may hold memory: its router unit is up and the router
+        says ``loading``/``loaded``/``sleeping``, or does not answer (unknown counts as
+        running: nothing is started beside what may hold the device)."""
+        if not is_up(await self.state(slot.unit)):
+            return False
+        seen = await self.router_status(slot)
+        return seen is None or seen.running
+
+    def unload_in_flight(self, victim: Resident) -> bool:
+        """The run died at the step that unloads ``victim`` from its router (``pause`` for
+        a paused one, ``stop`` for a stopped one): its ``POST /models/unload`` may have
+        reached the router, which then unloads it whatever became of the client (the
+        status stays ``loaded`` while the child takes up to its stop-timeout to exit)."""
+        step = self.record.step
+        action = self.record.action_of(victim)
+        return (step, action) in ((PAUSE, "pause"), (STOP, "stop")) and (
+            self.slot_of(victim) is not None
+        )
+
+    async def verify_loaded(
+        self, slot: RouterSlot, expect: verify.Expectation, bound: UpBound
+    ) -> str | None:
+        """A router model's verify-up: its router says ``loaded`` (waited for within
+        ``bound``; a load that ended shows ``unloaded`` at once), then the publication
+        check through the router (health, served id, status, metrics policy)."""
+        started = time.monotonic()
+        polling = router.Polling(FIRST_POLL_S, MAX_POLL_S, self.timeouts.http_s)
+        try:
+            await router.wait_for(
+                self.routers, slot.endpoint, slot.model_id, router.SERVING, bound.seconds, polling
+            )
+        except RouterError as err:
+            return f"{err}; {bound.text()}"
+        left = replace(bound, seconds=max(0.5, bound.seconds - (time.monotonic() - started)))
+        endpoint = verify_endpoint(slot.endpoint, self.host.registry().single_upstream)
+        return await self._await_verified(slot.unit, endpoint, expect, left)
+
+    # ------------------------------------------------------------------ engines
 
     def _may_sleep(self, resident: Resident) -> bool:
         """Whether ``/is_sleeping`` means anything for ``resident``: the run paused it,
@@ -142,13 +218,19 @@ class RunChecks:
         return config.sleep_level if config is not None else None
 
     async def asleep(self, resident: Resident) -> bool:
-        """``/is_sleeping`` says true (remembered for ``Repair._finish``)."""
-        if resident.endpoint is None or not self._may_sleep(resident):
+        """``/is_sleeping`` says true, or for a router model its router answers and says
+        ``unloaded`` (remembered for ``Repair._finish``)."""
+        slot = self.slot_of(resident)
+        if slot is not None:
+            seen = await self.router_status(slot) if is_up(await self.state(slot.unit)) else None
+            asleep: bool | None = seen is not None and seen.status == router.UNLOADED
+        elif resident.endpoint is None or not self._may_sleep(resident):
             return False
-        try:
-            asleep = await self.probe.is_sleeping(resident.endpoint, self.timeouts.http_s)
-        except engines.EngineError:
-            asleep = None
+        else:
+            try:
+                asleep = await self.probe.is_sleeping(resident.endpoint, self.timeouts.http_s)
+            except engines.EngineError:
+                asleep = None
         if asleep is True:
             self.asleep_seen.add(resident.signature)
         return asleep is True
@@ -166,6 +248,9 @@ class RunChecks:
         )
         expect = replace(expect, accepted=expect.accepted | set(self.record.accepted_ids))
         bound = self.timeouts.verify_up_bound(new.signature, config, self.timeouts.verify_up_s)
+        slot = self.slot_of(new)
+        if slot is not None:
+            return await self.verify_loaded(slot, expect, bound)
         return await self._await_verified(unit, self._verify_address(new), expect, bound)
 
     async def verify_woken(self, twin: Resident) -> str | None:
@@ -173,12 +258,20 @@ class RunChecks:
         expect = self._expectation(twin, self.record.requested)
         config = config_of(self.host.registry(), twin)
         bound = self.timeouts.wake_bound(twin.signature, config, self.timeouts.verify_up_s)
+        slot = self.slot_of(twin)
+        if slot is not None:
+            return await self.verify_loaded(slot, expect, bound)
         return await self._await_verified(unit_of(twin), self._verify_address(twin), expect, bound)
 
     async def verify_victim(self, victim: Resident) -> str | None:
+        """A restored victim's check; a router model's is a load's (its wake bound)."""
         config = config_of(self.host.registry(), victim)
-        bound = self.timeouts.verify_up_bound(victim.signature, config, self.timeouts.rollback_up_s)
         expect = self._expectation(victim, None)
+        slot = self.slot_of(victim)
+        if slot is not None:
+            bound = self.timeouts.wake_bound(victim.signature, config, self.timeouts.rollback_up_s)
+            return await self.verify_loaded(slot, expect, bound)
+        bound = self.timeouts.verify_up_bound(victim.signature, config, self.timeouts.rollback_up_s)
         return await self._await_verified(unit_of(victim), victim.endpoint, expect, bound)
 
     def _verify_address(self, resident: Resident) -> str | None:
@@ -188,7 +281,8 @@ class RunChecks:
 
     def _expectation(self, resident: Resident, requested: str | None) -> verify.Expectation:
         """The check a resident must pass; ``/is_sleeping`` is always asked of one the
-        run paused or wakes (it was put to sleep, whatever the registry says now)."""
+        run paused or wakes (it was put to sleep, whatever the registry says now), never
+        of a router model (its router's status says it instead)."""
         model = self.host.registry().models.get(resident.model)
         if model is None:
             accepted = frozenset({resident.model, resident.config})
@@ -198,6 +292,8 @@ class RunChecks:
         sleeps = self.record.action_of(resident) == "pause" or resident.signature in (
             self.record.paused
         )
+        if self.slot_of(resident) is not None:
+            return expect
         return replace(expect, can_sleep=expect.can_sleep or sleeps or requested is not None)
 
     async def _await_verified(
@@ -222,7 +318,9 @@ class RunChecks:
             if ready:
                 if endpoint is None:
                     return None
-                verdict = await verify.check(endpoint, expect, self.timeouts.http_s, self.probe)
+                verdict = await verify.check(
+                    endpoint, expect, self.timeouts.http_s, self.probe, self.routers
+                )
                 if verdict.ok:
                     return None
                 if verdict.is_wrong_engine:

@@ -33,7 +33,8 @@ true; "verify" = :func:`uapplace.publish.verify.check`, the one publication chec
 served id, not asleep, ``metricsMustMatch``, polled within the config's own bound
 :meth:`~uapplace.files.timeouts.Timeouts.verify_up_bound`
 (:meth:`~uapplace.files.timeouts.Timeouts.wake_bound`
-for a wake)). Rows are tried in order, the first that matches decides; the outcome
+for a wake); a llama.cpp router model reads these words through its router, see
+"Router models" below). Rows are tried in order, the first that matches decides; the outcome
 is the alert's (``recovery_done`` warning, or ``recovery_needed`` critical for HUMAN).
 **No row publishes a resident ``hot`` that has not just passed verify.**
 
@@ -105,6 +106,27 @@ it; its sleep is settled first. The alert's text says what the repair found (a s
 or wake in flight, a unit the run had stopped that is up again, each victim verified)
 besides what it did.
 
+Router models (issue 19; :mod:`uapplace.recovery.routed`). A resident whose config's
+``pause_lever`` is ``llamacpp-router`` shares its unit and endpoint with the router's
+other models, so the table reads its words through the router's ``GET /models``
+(:meth:`~uapplace.recovery.checks.RunChecks.slot_of`), never through the unit:
+"up" = the router unit up and the model ``loading``/``loaded``/``sleeping`` (or the
+router not answering: unknown counts as up); "down" = ``unloaded``, or the router unit
+down; "asleep" = the router answers ``unloaded`` (a stopped router victim too: its
+router unloaded it); "stop new" and "put back to sleep" = ``POST /models/unload`` seen
+``unloaded`` with its child gone (row 5 when it is not, within ``stop_s``); "wake" =
+``POST /models/load``; "verify" = the router says ``loaded`` (waited for; a load that
+ended shows ``unloaded`` at once), then the publication check through the router.
+**The router's unit is never stopped** for one of its models, except one the run itself
+started (journal ``started_unit``) that hosts no other resident: that is stopped as the
+run's own rollback would. Rows 16-17 cover a router victim's unload as well: at step
+``pause`` (a paused victim) or ``stop`` (a stopped one) a victim its router still says
+runs may have its unload in flight (the router answers at once and unloads whatever
+became of the client; the status stays ``loaded`` until the child exits), so the same
+unload is sent again and seen done first; then an apply run loads it again (row 7) and
+an unload run is finished (row 9). A router victim whose router unit is down is row
+10: the router is started (memory-gated) and the model loaded in it.
+
 Decisions where docs/invariants.md is silent:
 
 - A run cut short before the new unit started (journal ``stop``/``verify-free``/
@@ -124,6 +146,12 @@ Decisions where docs/invariants.md is silent:
 - A waking victim is not gated on the probe's free memory (its unit never
   stopped; the new unit is seen down first): a wake that finds no room fails and
   the victim stays ``paused`` (row 8).
+- A router victim loads again without waiting on the probe's free memory, as a waking
+  one (its router never stopped; the new model is seen unloaded first): a load that
+  finds no room ends ``unloaded``, ``failed``, and the victim stays ``paused`` (row 8).
+- A router victim whose unload may have been in flight is unloaded again even if the
+  crash came before the request left: the repair cannot tell, and an unload seen done
+  is the only state it can decide on (the apply run then loads it back).
 - The journal is removed after every repair, including one that needs a human:
   the alert's ``detail.journal`` holds the whole record, and a journal kept
   would make every restart try the same repair again.
@@ -137,6 +165,7 @@ from typing import TYPE_CHECKING, Any
 
 from uapplace.core.alerts import Severity
 from uapplace.files.journal import Journal, JournalError, RunRecord
+from uapplace.io.router import HTTP_ROUTER, RouterProbe
 from uapplace.io.seams import HTTP_ENGINES, EngineProbe, UnitControl
 from uapplace.io.units import UnitError
 from uapplace.recovery.checks import RecoveryHost, RunChecks
@@ -160,6 +189,7 @@ async def recover(
     *,
     timeouts: Timeouts,
     probe: EngineProbe | None = None,
+    routers: RouterProbe | None = None,
 ) -> RecoveryReport | None:
     """Repair the run the journal names (if any), alert, clear the journal, re-plan.
 
@@ -179,7 +209,8 @@ async def recover(
     log.warning(
         "recovering %s (%s) cut short at step %s", record.run_id, record.describe(), record.step
     )
-    repair = Repair(RunChecks(record, host, units, timeouts, probe or HTTP_ENGINES))
+    checks = RunChecks(record, host, units, timeouts, probe or HTTP_ENGINES, routers or HTTP_ROUTER)
+    repair = Repair(checks)
     try:
         report = await repair.run()
     except (UnitError, OSError, ValueError) as err:

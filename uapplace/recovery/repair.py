@@ -5,7 +5,9 @@
 :meth:`Repair.run` walks the table (finish the run, or stop the new unit and roll
 the victims back) and returns the :class:`RecoveryReport` the alert carries. What
 it observes comes from :class:`~uapplace.recovery.checks.RunChecks`; what it changes
-goes through the unit manager, the engines' pause levers and the host.
+goes through the unit manager, the engines' pause levers (a llama.cpp router model's
+through :mod:`uapplace.recovery.routed`: unload for sleep and for "stop new", load for
+wake; its router's unit is never stopped while it hosts other models) and the host.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from uapplace.core.victims import config_of
 from uapplace.enforce.run import paused_resident
 from uapplace.files.journal import RunRecord
 from uapplace.io import engines
+from uapplace.io.router import RouterError, RouterSlot
 from uapplace.io.seams import EngineProbe, UnitControl
 from uapplace.io.units import outcome_text, state_text, unit_of
+from uapplace.recovery import routed
 from uapplace.recovery.checks import RecoveryHost, RunChecks, is_down, is_up
 
 if TYPE_CHECKING:
@@ -84,7 +88,7 @@ class Repair:
             return await self._run_wake(self.record.wake)
         record = self.record
         new_unit = unit_of(record.new) if record.new is not None else None
-        if new_unit is not None and is_up(await self.checks.state(new_unit)):
+        if new_unit is not None and await self._new_running(new_unit):
             why_not = await self._why_not_finish(lambda: self.checks.verify_new(new_unit))
             if why_not is None:
                 return self._finish(self._published_new())
@@ -95,6 +99,14 @@ class Repair:
         elif new_unit is not None:
             self._drop_if_published(record.new)
         return await self._roll_back_victims()
+
+    async def _new_running(self, unit: str) -> bool:
+        """The new unit is up; for a router model, its router says it runs (a model the
+        router says ``unloaded`` was never loaded, or its load ended: it is down)."""
+        slot = self.checks.slot_of(self.record.new)
+        if slot is not None:
+            return await self.checks.routed_running(slot)
+        return is_up(await self.checks.state(unit))
 
     async def _run_wake(self, twin: Resident) -> RecoveryReport:
         """Rows 13-14: a wake run (the requested model was paused) cut short."""
@@ -131,6 +143,11 @@ class Repair:
             return f"the run was already rolling back{failed}"
         awake: list[str] = []
         for victim in self.record.victims:
+            slot = self.checks.slot_of(victim)
+            if slot is not None:  # stopped or paused alike, its router unloads it
+                if not await self.checks.asleep(victim) and await self.checks.routed_running(slot):
+                    awake.append(victim.signature)
+                continue
             if not is_up(await self.checks.victim_state(victim)):
                 continue
             if self.record.action_of(victim) == "stop" or not await self.checks.asleep(victim):
@@ -189,6 +206,9 @@ class Repair:
     # ------------------------------------------------------------------ roll back
 
     async def _stop_new(self, unit: str) -> bool:
+        slot = self.checks.slot_of(self.record.new)
+        if slot is not None and not self._router_is_the_runs(slot):
+            return await self._unload_new(slot)
         outcome = await self.units.stop_unit(unit, self.timeouts.stop_s)
         state = await self.checks.state(unit)
         if outcome.ok and is_down(state):
@@ -202,11 +222,50 @@ class Repair:
         )
         return False
 
+    def _router_is_the_runs(self, slot: RouterSlot) -> bool:
+        """The run started ``slot``'s router (it was down before) and no other resident
+        lives in it: stopping its unit, as the run's own rollback does, takes nothing else
+        down."""
+        started = self.record.started_unit
+        if started is None or unit_file_name(started) != slot.unit:
+            return False
+        new = self.record.new
+        assert new is not None
+        return not any(
+            r.unit is not None
+            and unit_file_name(r.unit) == slot.unit
+            and resident_key(r) != resident_key(new)
+            for r in self.host.residents()
+        )
+
+    async def _unload_new(self, slot: RouterSlot) -> bool:
+        """Stop new, for a router model the run loaded in a router that hosts others (or
+        ran before the run): unload it and see it gone; the router keeps running."""
+        why = await routed.unload(self.checks, slot)
+        self.changed = True
+        if why is None:
+            self.actions.append(
+                f"unloaded {slot.model_id}, which the run had loaded, from {slot.label} "
+                "(the router keeps running)"
+            )
+            self._drop_if_published(self.record.new)
+            return True
+        self.problems.append(
+            f"{why}; the victims were not restored (two residents must not share the device)"
+        )
+        return False
+
     async def _put_back_to_sleep(self, twin: Resident) -> bool:
         """Row 14: the woken resident that failed its check goes back to sleep, and must
         be *seen* asleep before a victim takes the memory back. Kept ``paused``."""
         assert twin.endpoint is not None
-        if not await self.checks.asleep(twin):
+        slot = self.checks.slot_of(twin)
+        if slot is not None and not await self.checks.asleep(twin):
+            why = await routed.unload(self.checks, slot)
+            self.changed = True
+            if why is not None:
+                log.warning("recovery: re-unload of %s failed: %s", twin.signature, why)
+        elif not await self.checks.asleep(twin):
             config = config_of(self.host.registry(), twin)
             level = (config.sleep_level if config is not None else None) or 1
             try:
@@ -228,18 +287,61 @@ class Repair:
     async def _roll_back_victims(self) -> RecoveryReport:
         """Rows 6-12: restart stopped victims, wake paused ones, re-verify the rest."""
         record = self.record
+        unsettled = await self._settle_unloads()
         down = await self._down_victims()
-        if record.kind == "unload" and down and len(down) == len(record.victims):
+        if record.kind == "unload" and record.victims and await self._all_gone(down):
             return self._finish(None)
         if down:
             self.changed = True
             await self._restart(down)
         for victim in record.victims:
-            if victim not in down:
+            if victim not in down and victim not in unsettled:
                 await self._restore_running(victim)
         if self.problems:
             return self.report(Outcome.NEEDS_HUMAN, "")
         return self.report(Outcome.ROLLED_BACK if self.changed else Outcome.NOTHING_CHANGED, "")
+
+    async def _all_gone(self, down: Sequence[Resident]) -> bool:
+        """Every victim's unit is down, or (a router model) its router unloaded it."""
+        for victim in self.record.victims:
+            if victim in down:
+                continue
+            if self.checks.slot_of(victim) is None or not await self.checks.asleep(victim):
+                return False
+        return True
+
+    async def _settle_unloads(self) -> list[Resident]:
+        """The router victims whose unload may have been in flight (the run died at the
+        step that unloads them) and whose router still says they run: the same unload is
+        sent again and seen done before anything is decided (as a sleep in flight,
+        :meth:`_settle_sleep`). The ones that cannot be settled are returned, never
+        published ``hot``: asleep → ``paused``, else out of the ledger."""
+        unsettled: list[Resident] = []
+        for victim in self.record.victims:
+            slot = self.checks.slot_of(victim)
+            if slot is None or not self.checks.unload_in_flight(victim):
+                continue
+            if not await self.checks.routed_running(slot):
+                continue
+            why = await routed.unload(self.checks, slot)
+            self.changed = True
+            if why is None:
+                self.found.append(
+                    f"{victim.signature}'s unload may have been in flight when uapplaced died "
+                    f"(journal step {self.record.step}): let it finish (unloaded from "
+                    f"{slot.label} again) before deciding"
+                )
+                continue
+            self.problems.append(
+                f"{victim.signature}: its unload was in flight when uapplaced died and could "
+                f"not be settled ({why}); not published"
+            )
+            if await self.checks.asleep(victim):
+                self.host.put_resident(_paused(self.host.registry(), victim))
+            else:
+                self._drop_if_published(victim)
+            unsettled.append(victim)
+        return unsettled
 
     async def _down_victims(self) -> list[Resident]:
         """The victims whose unit is down now (a stop still running is awaited first)."""
@@ -273,6 +375,8 @@ class Repair:
                 )
                 self._drop_if_published(victim)
                 continue
+            if not await self._load_again(victim):
+                continue
             why = await self.checks.verify_victim(victim)
             if why is not None:
                 self.problems.append(why)
@@ -280,6 +384,20 @@ class Repair:
                 continue
             self.host.put_resident(replace(victim, state=ResidentState.HOT))
             self.actions.append(f"restarted {unit} ({victim.signature} healthy again)")
+
+    async def _load_again(self, victim: Resident) -> bool:
+        """A router victim whose router was down and is started again: its model is loaded
+        in it (a router starts empty). ``True`` for any other victim."""
+        slot = self.checks.slot_of(victim)
+        if slot is None:
+            return True
+        try:
+            await routed.load(self.checks, slot)
+        except RouterError as err:
+            self.problems.append(f"{victim.signature}: load in {slot.label}: {err}")
+            self._drop_if_published(victim)
+            return False
+        return True
 
     async def _restore_running(self, victim: Resident) -> None:
         """A victim whose unit is up: published ``hot`` only once it passes the check.
@@ -297,8 +415,8 @@ class Repair:
         if await self.checks.asleep(victim):
             if wake_in_flight:
                 self.found.append(
-                    f"{victim.signature}'s wake (the rollback's) was in flight and it is still "
-                    "asleep"
+                    f"{victim.signature}'s {_wake_word(self.checks, victim)} (the rollback's) "
+                    "was in flight and it is still asleep"
                 )
             if before is ResidentState.PAUSED:
                 self.host.put_resident(victim)
@@ -307,7 +425,8 @@ class Repair:
                 return
         elif wake_in_flight:
             self.found.append(
-                f"{victim.signature}'s wake (the rollback's) was in flight: found it awake"
+                f"{victim.signature}'s {_wake_word(self.checks, victim)} (the rollback's) was "
+                "in flight: found it awake"
             )
         why = await self.checks.verify_victim(victim)
         if why is None:
@@ -363,6 +482,9 @@ class Repair:
 
     async def _wake(self, victim: Resident) -> bool:
         assert victim.endpoint is not None
+        slot = self.checks.slot_of(victim)
+        if slot is not None:
+            return await self._load_unloaded(victim, slot)
         config = config_of(self.host.registry(), victim)
         bound = self.timeouts.wake_bound(victim.signature, config, self.timeouts.rollback_up_s)
         try:
@@ -373,6 +495,22 @@ class Repair:
             return False
         self.changed = True
         self.actions.append(f"woke {victim.signature} (the run had paused it)")
+        return True
+
+    async def _load_unloaded(self, victim: Resident, slot: RouterSlot) -> bool:
+        """A router victim the run unloaded: its wake is a load in its router."""
+        try:
+            await routed.load(self.checks, slot)
+        except RouterError as err:
+            self.problems.append(
+                f"{victim.signature}: load in {slot.label}: {err}; it stays paused"
+            )
+            self.host.put_resident(_paused(self.host.registry(), victim))
+            return False
+        self.changed = True
+        self.actions.append(
+            f"asked {slot.label} to load {slot.model_id} again (the run had unloaded it)"
+        )
         return True
 
     async def _settle_left_running(self) -> None:
@@ -420,6 +558,11 @@ class Repair:
         return RecoveryReport(
             record.run_id, outcome, " — ".join(parts), tuple(self.actions), tuple(self.problems)
         )
+
+
+def _wake_word(checks: RunChecks, victim: Resident) -> str:
+    """What waking ``victim`` is: a router model's load, else an engine's wake."""
+    return "load" if checks.slot_of(victim) is not None else "wake"
 
 
 def _before_run(victim: Resident) -> ResidentState:
