@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from dbus_fast import Message, MessageType
-from typer.testing import CliRunner
 
 from uapplace.bus.client import PlacementClient
 from uapplace.cli import app as cli

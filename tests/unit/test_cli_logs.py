@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import typer
 
 from tests.worlds.registries import measured, sim_devices
 from uapplace.cli import logs as cli_logs
@@ -59,9 +58,11 @@ def registry_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def exit_code(call: Callable[[], Any]) -> int:
-    with pytest.raises(typer.Exit) as ended:
+    with pytest.raises(SystemExit) as ended:
         call()
-    return ended.value.exit_code
+    code = ended.value.code
+    assert isinstance(code, int)
+    return code
 
 
 def test_without_a_daemon_the_registry_files_name_the_unit(registry_env: Path) -> None:

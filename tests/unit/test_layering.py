@@ -24,7 +24,7 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 LAYERS = "Layers: core < files < bus < io < controller < machinery < daemon < edges"
 OVER_THE_BUS = "The CLI and the shim talk to the daemon over the bus only"
-LIGHT_CLI = "The light CLI imports no aiohttp, pystemd, pydantic, Textual or demo"
+LIGHT_CLI = "The light CLI imports no aiohttp, pystemd, pydantic, typer, Textual or demo"
 
 
 @dataclass(frozen=True)

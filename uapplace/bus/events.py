@@ -48,7 +48,7 @@ from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
 from uapplace.bus.util import bus_daemon_message
-from uapplace.core.model import iso
+from uapplace.core.conventions import iso
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 DEFAULT_CAPACITY = 1000

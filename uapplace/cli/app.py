@@ -4,13 +4,14 @@ When ``uapplaced`` is not reachable, ``status`` and ``pending`` read the ledger
 file directly (and say so), ``validate`` checks the files itself, and every
 write refuses with exit code 3 rather than race a live writer.
 
-This module holds the Typer app: each command's arguments, help and output mode.
+This module holds the click app: each command's arguments, help and output mode (in
+the help and error format of the typer app it was: :mod:`uapplace.cli.params`).
 The plumbing (consoles, exit codes, the bus conversation) is in
 :mod:`uapplace.cli.session`, the text rendering in :mod:`uapplace.cli.render`,
 ``apply``/``load``/``unload`` in :mod:`uapplace.cli.enforce`.
 
 It is the *light* app (docs/architecture.md, "The command line: light and local"): it
-imports typer, rich, dbus-fast and the bus client, nothing that reads the files with
+imports click, rich, dbus-fast and the bus client, nothing that reads the files with
 pydantic, controls units (pystemd) or speaks HTTP (aiohttp). ``install``,
 ``uninstall``, ``demo``, ``logs``, ``unit``, ``measure --envelope`` and the file
 fallbacks of ``status``/``pending``/``validate`` run in :mod:`uapplace.cli.local`,
@@ -24,9 +25,9 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Annotated, Any, NoReturn
+from typing import Any, NoReturn
 
-import typer
+import click
 from dbus_fast import Message, MessageType
 
 from uapplace import __version__
@@ -43,6 +44,7 @@ from uapplace.cli.forward import (
     forward_argv,
     run_local,
 )
+from uapplace.cli.params import Arg, F, Group, Integer, Opt, flag, json_flag
 from uapplace.cli.render import (
     WATCHED_SIGNALS,
     print_measurement,
@@ -53,24 +55,42 @@ from uapplace.cli.render import (
     signal_line,
 )
 from uapplace.cli.session import (
+    APP_HELP,
+    EXIT_CODES_HELP,
     EXIT_REFUSED,
     EXIT_USAGE,
-    JsonFlag,
     Unreachable,
     call,
     call_or,
     exit_status,
     fail,
     out,
-    placement_app,
     print_json,
     subscribe,
     until_stopped,
 )
-from uapplace.core.model import DEFAULT_CELLS
+from uapplace.core.conventions import DEFAULT_CELLS
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
-app = placement_app()
+
+def _version(ctx: click.Context, _: click.Parameter, value: bool) -> None:
+    if value:
+        out.print(f"uapplace {__version__}")
+        ctx.exit()
+
+
+@click.group(cls=Group, help=APP_HELP, epilog=EXIT_CODES_HELP, no_args_is_help=True)
+@click.option(
+    "--version",
+    cls=Opt,
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_version,
+    help="Print the version.",
+)
+def app() -> None:
+    """uapplace: operator-directed placement of local AI model backends."""
 
 
 def _local(command: str, as_json: bool) -> Callable[[Unreachable], NoReturn]:
@@ -82,42 +102,21 @@ def _local(command: str, as_json: bool) -> Callable[[Unreachable], NoReturn]:
     return offline
 
 
-# --------------------------------------------------------------------------- version
-
-
-def _version(value: bool) -> None:
-    if value:
-        out.print(f"uapplace {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: Annotated[
-        bool,
-        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
-    ] = False,
-) -> None:
-    """uapplace: operator-directed placement of local AI model backends."""
-
-
 # --------------------------------------------------------------------------- reads
 
 
 @app.command()
-def status(
-    ack: Annotated[
-        bool,
-        typer.Option(
-            "--ack", help="Acknowledge the alerts named (all open alerts when none is named)."
-        ),
-    ] = False,
-    alert_ids: Annotated[
-        list[str] | None,
-        typer.Argument(metavar="[ID]...", help="Alert ids to acknowledge (with --ack)."),
-    ] = None,
-    as_json: JsonFlag = False,
-) -> None:
+@flag("--ack", "ack", "Acknowledge the alerts named (all open alerts when none is named).")
+@click.argument(
+    "alert_ids",
+    cls=Arg,
+    nargs=-1,
+    required=False,
+    metavar="[ID]...",
+    help="Alert ids to acknowledge (with --ack).",
+)
+@json_flag
+def status(ack: bool, alert_ids: tuple[str, ...], as_json: bool) -> None:
     """Residents, devices (free / reserved), holders, holds, pending count, and open alerts
     as a red banner until acknowledged (`uapplace status --ack [ID...]`)."""
     if alert_ids and not ack:
@@ -143,7 +142,8 @@ def _acknowledge(alert_ids: list[str], as_json: bool) -> None:
 
 
 @app.command()
-def pending(as_json: JsonFlag = False) -> None:
+@json_flag
+def pending(as_json: bool) -> None:
     """Parked requests with their ranked options."""
     listed: dict[str, Any] = call_or(lambda c: c.list_pending(), _local(OFFLINE_PENDING, as_json))
     if as_json:
@@ -153,13 +153,16 @@ def pending(as_json: JsonFlag = False) -> None:
 
 
 @app.command()
-def preview(
-    model: Annotated[str, typer.Argument(help="Model key, config key or advertised id.")],
-    cells: Annotated[
-        int, typer.Option("--cells", min=1, help="Context the request needs (cells).")
-    ] = DEFAULT_CELLS,
-    as_json: JsonFlag = False,
-) -> None:
+@click.argument("model", cls=Arg, help="Model key, config key or advertised id.")
+@click.option(
+    "--cells",
+    cls=Opt,
+    type=Integer(1),
+    default=DEFAULT_CELLS,
+    help="Context the request needs (cells).",
+)
+@json_flag
+def preview(model: str, cells: int, as_json: bool) -> None:
     """What placing MODEL would take: options, victims, why others are infeasible."""
     plan: dict[str, Any] = call(lambda c: c.preview(model, cells))
     if as_json:
@@ -170,24 +173,24 @@ def preview(
 
 # --------------------------------------------------------------------------- apply
 
-YesFlag = Annotated[
-    bool,
-    typer.Option(
-        "--yes",
-        help="Consent to stopping what the impact shows (otherwise asked on a terminal, "
-        "refused elsewhere). The signature shown travels with the call: if it changed, "
-        "nothing stops (exit 5).",
-    ),
-]
+yes_flag = flag(
+    "--yes",
+    "yes",
+    "Consent to stopping what the impact shows (otherwise asked on a terminal, "
+    "refused elsewhere). The signature shown travels with the call: if it changed, "
+    "nothing stops (exit 5).",
+)
+placement_id_argument = click.argument(
+    "placement_id", cls=Arg, metavar="ID", help="Placement id (plc-xxxxxx)."
+)
 
 
 @app.command()
-def apply(
-    placement_id: Annotated[str, typer.Argument(metavar="ID", help="Placement id (plc-xxxxxx).")],
-    option: Annotated[int, typer.Argument(min=1, help="1-based option number from `pending`.")],
-    yes: YesFlag = False,
-    as_json: JsonFlag = False,
-) -> None:
+@placement_id_argument
+@click.argument("option", cls=Arg, type=Integer(1), help="1-based option number from `pending`.")
+@yes_flag
+@json_flag
+def apply(placement_id: str, option: int, yes: bool, as_json: bool) -> None:
     """Show the impact of OPTION for placement ID; with --yes (or y on a terminal), enforce
     exactly that and follow it step by step until the run ends."""
     enforce(
@@ -201,10 +204,9 @@ def apply(
 
 
 @app.command()
-def dismiss(
-    placement_id: Annotated[str, typer.Argument(metavar="ID", help="Placement id (plc-xxxxxx).")],
-    as_json: JsonFlag = False,
-) -> None:
+@placement_id_argument
+@json_flag
+def dismiss(placement_id: str, as_json: bool) -> None:
     """Refuse a parked request; its client gets a clean fallback."""
     dismissed = call(lambda c: c.dismiss(placement_id))
     if as_json:
@@ -214,11 +216,10 @@ def dismiss(
 
 
 @app.command()
-def load(
-    model: Annotated[str, typer.Argument(help="Model to load (operator-initiated).")],
-    yes: YesFlag = False,
-    as_json: JsonFlag = False,
-) -> None:
+@click.argument("model", cls=Arg, help="Model to load (operator-initiated).")
+@yes_flag
+@json_flag
+def load(model: str, yes: bool, as_json: bool) -> None:
     """Load MODEL now with the recommended option (as `preview` ranks it).
 
     Shows the impact first; when it would stop a model, needs --yes (or y on a
@@ -234,11 +235,10 @@ def load(
 
 
 @app.command()
-def unload(
-    model: Annotated[str, typer.Argument(help="Resident model to stop.")],
-    yes: YesFlag = False,
-    as_json: JsonFlag = False,
-) -> None:
+@click.argument("model", cls=Arg, help="Resident model to stop.")
+@yes_flag
+@json_flag
+def unload(model: str, yes: bool, as_json: bool) -> None:
     """Stop MODEL (drain, in-flight refusal, verify the memory came back).
 
     Shows what stops first and needs --yes (or y on a terminal); then follows the
@@ -254,17 +254,14 @@ def unload(
 
 
 @app.command()
-def units(
-    check: Annotated[
-        bool,
-        typer.Option(
-            "--check",
-            help="Write nothing: list the drop-ins that differ from the registry's graph "
-            "(exit 1 when any is stale).",
-        ),
-    ] = False,
-    as_json: JsonFlag = False,
-) -> None:
+@flag(
+    "--check",
+    "check",
+    "Write nothing: list the drop-ins that differ from the registry's graph "
+    "(exit 1 when any is stale).",
+)
+@json_flag
+def units(check: bool, as_json: bool) -> None:
     """Write Conflicts= drop-ins for units that can never be resident together (in MiB)."""
     if check:
         stale: list[str] = call(lambda c: c.check_units())
@@ -276,7 +273,7 @@ def units(
             if not stale:
                 out.print("the Conflicts= drop-ins match the registry")
         if stale:
-            raise typer.Exit(EXIT_REFUSED)
+            raise SystemExit(EXIT_REFUSED)
         return
     written: list[str] = call(lambda c: c.write_units())
     if as_json:
@@ -289,23 +286,19 @@ def units(
 
 
 @app.command()
-def measure(
-    model: Annotated[str, typer.Argument(help="Model key.")],
-    config: Annotated[str, typer.Argument(help="Config key (default: the resident one).")] = "",
-    envelope: Annotated[
-        bool,
-        typer.Option(
-            "--envelope",
-            help="Measure the enforcement envelope instead: takes the backend down, a switch "
-            "like unload (shows who stops; needs --yes).",
-        ),
-    ] = False,
-    yes: Annotated[
-        bool,
-        typer.Option("--yes", help="Consent to taking the backend down (--envelope), as unload."),
-    ] = False,
-    as_json: JsonFlag = False,
-) -> None:
+@click.argument("model", cls=Arg, help="Model key.")
+@click.argument(
+    "config", cls=Arg, required=False, default="", help="Config key (default: the resident one)."
+)
+@flag(
+    "--envelope",
+    "envelope",
+    "Measure the enforcement envelope instead: takes the backend down, a switch "
+    "like unload (shows who stops; needs --yes).",
+)
+@flag("--yes", "yes", "Consent to taking the backend down (--envelope), as unload.")
+@json_flag
+def measure(model: str, config: str, envelope: bool, yes: bool, as_json: bool) -> None:
     """Record MODEL's measured footprint from its live engine into the local registry.
 
     With --envelope: take the backend down and up to time it (stop, memory back, cold
@@ -330,7 +323,8 @@ def _measure_envelope(model: str, config: str, yes: bool, as_json: bool) -> NoRe
 
 
 @app.command()
-def validate(as_json: JsonFlag = False) -> None:
+@json_flag
+def validate(as_json: bool) -> None:
     """Cross-check the registry files and the capacity policy; print provenance.
 
     Exits 1 when there is any error. Without uapplaced, checks the files directly."""
@@ -340,48 +334,47 @@ def validate(as_json: JsonFlag = False) -> None:
     else:
         print_validation(report)
     if not report["ok"]:
-        raise typer.Exit(EXIT_REFUSED)
+        raise SystemExit(EXIT_REFUSED)
 
 
 # --------------------------------------------------------------------------- auto
 
 
+def _models(name: str, help: str | None = None) -> Callable[[F], F]:
+    """A repeatable ``--name MODEL``."""
+    return click.option(name, cls=Opt, multiple=True, metavar="MODEL", help=help)
+
+
 @app.command()
+@flag("--enable", "enable", "Turn auto-placement on.")
+@flag("--disable", "disable", "Turn auto-placement off.")
+@_models(
+    "--allow-displace",
+    "MODEL may evict other models unattended to get loaded (the victims "
+    "are chosen as in `preview`; held or busy models are never stopped).",
+)
+@_models("--disallow-displace")
+@_models("--allow-unload", "May be unloaded when idle.")
+@_models("--disallow-unload")
+@click.option(
+    "--idle-after",
+    cls=Opt,
+    type=Integer(0),
+    metavar="SECS",
+    help="Idle time before unload; 0 turns the idle sweep off (under 60 counts as 60).",
+)
+@flag("--yes", "yes", "Record the standing consent the flags grant.")
+@json_flag
 def auto(
-    enable: Annotated[bool, typer.Option("--enable", help="Turn auto-placement on.")] = False,
-    disable: Annotated[bool, typer.Option("--disable", help="Turn auto-placement off.")] = False,
-    allow_displace: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--allow-displace",
-            metavar="MODEL",
-            help="MODEL may evict other models unattended to get loaded (the victims "
-            "are chosen as in `preview`; held or busy models are never stopped).",
-        ),
-    ] = None,
-    disallow_displace: Annotated[
-        list[str] | None, typer.Option("--disallow-displace", metavar="MODEL")
-    ] = None,
-    allow_unload: Annotated[
-        list[str] | None,
-        typer.Option("--allow-unload", metavar="MODEL", help="May be unloaded when idle."),
-    ] = None,
-    disallow_unload: Annotated[
-        list[str] | None, typer.Option("--disallow-unload", metavar="MODEL")
-    ] = None,
-    idle_after: Annotated[
-        int | None,
-        typer.Option(
-            "--idle-after",
-            metavar="SECS",
-            min=0,
-            help="Idle time before unload; 0 turns the idle sweep off (under 60 counts as 60).",
-        ),
-    ] = None,
-    yes: Annotated[
-        bool, typer.Option("--yes", help="Record the standing consent the flags grant.")
-    ] = False,
-    as_json: JsonFlag = False,
+    enable: bool,
+    disable: bool,
+    allow_displace: tuple[str, ...],
+    disallow_displace: tuple[str, ...],
+    allow_unload: tuple[str, ...],
+    disallow_unload: tuple[str, ...],
+    idle_after: int | None,
+    yes: bool,
+    as_json: bool,
 ) -> None:
     """Show or change the auto policy. Without flags, prints it.
 
@@ -405,8 +398,8 @@ def auto(
     if idle_after is not None:
         changes["unload_idle_after_secs"] = idle_after
     granting = [
-        *(f"stop other models unattended to load {m}" for m in allow_displace or []),
-        *(f"unload {m} when it has been idle" for m in allow_unload or []),
+        *(f"stop other models unattended to load {m}" for m in allow_displace),
+        *(f"unload {m} when it has been idle" for m in allow_unload),
     ]
     if granting and not yes:
         for line in granting:
@@ -429,12 +422,11 @@ def auto(
 
 
 @app.command()
-def hold(
-    model: Annotated[str, typer.Argument(help="Model to pin: never a victim while held.")],
-    reason: Annotated[str, typer.Option("--reason", help="Why (shown to the operator).")],
-    app_id: Annotated[str, typer.Option("--app-id", help="Who holds it.")] = "uapplace-cli",
-    as_json: JsonFlag = False,
-) -> None:
+@click.argument("model", cls=Arg, help="Model to pin: never a victim while held.")
+@click.option("--reason", cls=Opt, required=True, help="Why (shown to the operator).")
+@click.option("--app-id", cls=Opt, default="uapplace-cli", help="Who holds it.")
+@json_flag
+def hold(model: str, reason: str, app_id: str, as_json: bool) -> None:
     """Pin MODEL until Ctrl-C. A hold lives as long as this command's bus connection:
     it stays running, prints the cookie, and the hold ends when it exits."""
 
@@ -455,9 +447,8 @@ def hold(
 
 
 @app.command()
-def release(
-    cookie: Annotated[int, typer.Argument(min=1, help="Cookie printed by `hold`.")],
-) -> None:
+@click.argument("cookie", cls=Arg, type=Integer(1), help="Cookie printed by `hold`.")
+def release(cookie: int) -> None:
     """End a hold by its cookie. The holding command does this itself on exit; ending another
     connection's hold needs polkit's yes for org.uap.placement.release-others (exit 4 otherwise)."""
     call(lambda c: c.release(cookie))
@@ -473,7 +464,8 @@ def _forward(name: str) -> None:
     ``main`` execs before click parses anything (``--`` survives); this command is what
     ``--help`` lists, and what runs when the app is invoked without ``main``."""
 
-    def forward(ctx: typer.Context) -> NoReturn:
+    @click.pass_context
+    def forward(ctx: click.Context) -> NoReturn:
         run_local([name, *ctx.args])
 
     app.command(
@@ -488,7 +480,8 @@ _forward("logs")
 
 
 @app.command()
-def watch(as_json: JsonFlag = False) -> None:
+@json_flag
+def watch(as_json: bool) -> None:
     """Follow Parked, Resolved, ResidentChanged, EnforcementStep and AlertRaised until Ctrl-C.
 
     ``--json``: one JSON object per line, the same objects as the data of the shim's

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-import typer
+import click
 from dbus_fast import Message, MessageType
 from rich.console import Console
 from rich.markup import escape
@@ -36,9 +36,8 @@ from uapplace.cli.session import (
     print_json,
     subscribe,
 )
-from uapplace.core.admission import check_option_index
+from uapplace.core.conventions import DEFAULT_CELLS, check_option_index
 from uapplace.core.errors import InvalidArgument
-from uapplace.core.model import DEFAULT_CELLS
 from uapplace.core.steps import REVALIDATE, split_last_lines
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
@@ -156,7 +155,13 @@ def _consented(stops: bool, yes: bool, as_json: bool, question: str) -> bool:
         return True
     if as_json or not (sys.stdin.isatty() and sys.stdout.isatty()):
         return False
-    return bool(typer.confirm(question, default=False))
+    try:
+        return bool(click.confirm(question, default=False))
+    except click.Abort:
+        # Ctrl-C or end of input at the prompt. Ended here, as click's main would: the
+        # local app (``measure --envelope``) is typer, whose main does not know click's Abort.
+        click.echo("Aborted!", err=True)
+        raise SystemExit(EXIT_REFUSED) from None
 
 
 def _not_consented(what: str) -> NoReturn:
@@ -252,7 +257,7 @@ def _finish_result(result: dict[str, Any], as_json: bool, what: str) -> None:
             error, _last_lines = split_last_lines(str(result["error"]))
             out.print(f"  error: {error}", markup=False)
     if not result.get("ok"):
-        raise typer.Exit(EXIT_REFUSED)
+        raise SystemExit(EXIT_REFUSED)
 
 
 # --------------------------------------------------------------------------- measure --envelope
@@ -298,7 +303,7 @@ def measure_envelope(
     result = call_or(work, offline)
     if result is None:
         err.print("Run again with --yes to do it.", markup=False)
-        raise typer.Exit(EXIT_REFUSED)
+        raise SystemExit(EXIT_REFUSED)
     if not as_json:
         _steps(result, out)
     return result

@@ -38,14 +38,8 @@ from uapplace.cli.render import (
     print_status,
     print_validation,
 )
-from uapplace.cli.session import (
-    EXIT_REFUSED,
-    JsonFlag,
-    fail,
-    out,
-    placement_app,
-    print_json,
-)
+from uapplace.cli.session import EXIT_REFUSED, fail, out, print_json
+from uapplace.cli.typer_app import JsonFlag, placement_app
 from uapplace.demo import real_engine, walkthrough
 from uapplace.files.paths import Paths
 from uapplace.io.unitlogs import MAX_LINES

@@ -18,7 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from uapplace.cli.session import out
-from uapplace.core.model import parse_iso
+from uapplace.core.conventions import parse_iso
 
 
 def mib(value: Any) -> str:

@@ -13,9 +13,8 @@ import json
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
-import typer
 from dbus_fast import MessageType
 from dbus_fast.aio import MessageBus
 from rich.console import Console
@@ -50,23 +49,13 @@ Exit codes:
   7  not found: unknown placement id, hold cookie, model or config
 """
 
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
-
-
-def placement_app() -> typer.Typer:
-    """The ``uapplace`` app: the light one (:mod:`uapplace.cli.app`) and the local one it
-    hands over to (:mod:`uapplace.cli.local`) show the same help and exit-code epilog."""
-    return typer.Typer(
-        help=(
-            "Operator-directed placement of local AI model backends. Talks to uapplaced "
-            "(org.uap.Placement1 on the user bus)."
-        ),
-        epilog=EXIT_CODES_HELP,
-        no_args_is_help=True,
-        add_completion=False,
-        pretty_exceptions_enable=False,
-        rich_markup_mode=None,
-    )
+APP_HELP = (
+    "Operator-directed placement of local AI model backends. Talks to uapplaced "
+    "(org.uap.Placement1 on the user bus)."
+)
+"""The ``uapplace`` app's help: the light app (click, :mod:`uapplace.cli.app`) and the local
+one it hands over to (typer, :mod:`uapplace.cli.typer_app`) show the same, with
+:data:`EXIT_CODES_HELP` as the epilog."""
 
 
 _EXIT_BY_ERROR = {
@@ -109,8 +98,10 @@ class Unreachable(Exception):
 
 
 def fail(code: int, message: str) -> NoReturn:
+    """Print ``uapplace: message`` and end with ``code``: a plain ``SystemExit``, which the
+    light app (click) and the local one (typer) both let through to the process's end."""
     err.print(f"uapplace: {message}", markup=False)
-    raise typer.Exit(code)
+    raise SystemExit(code)
 
 
 def exit_for(error: PlacementError) -> int:

@@ -42,7 +42,6 @@ from uapplace.cli.session import (
     EXIT_NOT_FOUND,
     EXIT_REFUSED,
     EXIT_USAGE,
-    JsonFlag,
     Unreachable,
     call,
     call_or,
@@ -50,6 +49,7 @@ from uapplace.cli.session import (
     out,
     print_json,
 )
+from uapplace.cli.typer_app import JsonFlag
 from uapplace.files.backend_entry import remove_local_model, write_local_model
 from uapplace.files.jsonfile import ConfigFileError, atomic_write, read_json
 from uapplace.files.paths import Paths

@@ -100,7 +100,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
 
-from uapplace.core.errors import InvalidArgument
+from uapplace.core.conventions import check_option_index as check_option_index
 from uapplace.core.model import (
     DEFAULT_CELLS,
     Config,
@@ -561,20 +561,6 @@ def chosen_option(entry: PendingEntry, option: int) -> Option:
     """
     check_option_index(entry.id, option, len(entry.options))
     return entry.options[option - 1]
-
-
-def check_option_index(placement_id: str, option: int, count: int) -> None:
-    """Raise :class:`~uapplace.core.errors.InvalidArgument` unless ``option`` is in
-    ``1..count``, the options placement ``placement_id`` has (none when ``count`` is 0)."""
-    if count == 0:
-        raise InvalidArgument(
-            f"placement {placement_id} has no options (see `uapplace pending`); "
-            "nothing can be applied"
-        )
-    if not 1 <= option <= count:
-        raise InvalidArgument(
-            f"option {option} is out of range: placement {placement_id} has options 1..{count}"
-        )
 
 
 _AUTO_JOINABLE = frozenset({ParkReason.NOT_RESIDENT, ParkReason.PAUSED})

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal
 
-DEFAULT_CELLS = 32768
-"""Context a request is assumed to need when it names none (docs/http-contract.md §1)."""
+# Re-exported: they live in conventions so that a bus client needs none of this module.
+from uapplace.core.conventions import DEFAULT_CELLS as DEFAULT_CELLS
+from uapplace.core.conventions import iso as iso
+from uapplace.core.conventions import parse_iso as parse_iso
 
 Provenance = Literal["repo", "local"]
 
@@ -37,16 +38,6 @@ llama.cpp's router (:mod:`uapplace.io.router`: ``POST /models/unload`` pauses, `
 ROUTER_LEVER = "llamacpp-router"
 """The lever of a router model: one model of a llama.cpp router
 (``llama-server --models-dir``), paused by unloading its child process."""
-
-
-def iso(ts: float) -> str:
-    """POSIX seconds → ``2026-10-08T14:02:00Z``."""
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_iso(text: str) -> float:
-    """ISO-8601 (``Z`` or offset) → POSIX seconds. Raises ``ValueError``."""
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 # --------------------------------------------------------------------------- registry
