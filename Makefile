@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup engine demo test lint typecheck layering rules unit bus systemd engines bench clean
+.PHONY: setup compile engine demo test lint typecheck layering rules unit bus systemd engines bench clean
 
 setup: $(STAMP)
 
@@ -22,7 +22,13 @@ $(STAMP): pyproject.toml scripts/setup-system.sh
 engine: setup
 	bash scripts/build-llama-server.sh
 
-demo: setup engine
+# The package's bytecode written ahead (only what changed is compiled again): a command
+# then starts without compiling uapplace, also where PYTHONDONTWRITEBYTECODE is set
+# (docs/performance.md, "The light CLI on click").
+compile: setup
+	$(BIN)/python -m compileall -q uapplace
+
+demo: setup engine compile
 	$(BIN)/uapplace demo
 
 lint: setup
@@ -59,7 +65,7 @@ systemd: setup
 engines: setup engine
 	$(BIN)/pytest tests/engines
 
-bench: setup
+bench: setup compile
 	$(BIN)/python bench/bench_admission.py
 	$(BIN)/python bench/bench_bus.py
 	$(BIN)/python bench/bench_shim.py
