@@ -12,10 +12,12 @@ import json
 import time
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.panel import Panel
+from rich.style import StyleType
 from rich.table import Table
+from rich.text import Text
 
 from uapplace.cli.session import out
 from uapplace.core.conventions import parse_iso
@@ -48,8 +50,24 @@ def _expires_in(seconds_from_now: float) -> str:
     return f"in {seconds_from_now:.0f}s"
 
 
+class _PlainTable(Table):
+    """A table whose text cells are shown as written: Rich reads no markup and no emoji
+    codes in them. Model, client and session names come from any ``Admit`` caller: a
+    client named ``[/x]`` would otherwise stop ``uapplace status`` with a markup error,
+    and ``[blink]`` or ``:fire:`` would change what the operator reads."""
+
+    def add_row(
+        self,
+        *renderables: RenderableType | None,
+        style: StyleType | None = None,
+        end_section: bool = False,
+    ) -> None:
+        cells = (Text(cell) if isinstance(cell, str) else cell for cell in renderables)
+        super().add_row(*cells, style=style, end_section=end_section)
+
+
 def _table(title: str, columns: tuple[str, ...]) -> Table:
-    table = Table(title=title, title_justify="left")
+    table = _PlainTable(title=title, title_justify="left")
     for column in columns:
         table.add_column(column)
     return table

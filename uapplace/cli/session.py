@@ -87,10 +87,13 @@ _UNREACHABLE_ERRORS = frozenset(
 # Piped output (scripts, tests) gets wide lines rather than tables folded at 80 columns.
 # textsafe: client, model and session names come from any Admit caller; every line these
 # consoles print is stripped of escape sequences and control characters.
+# emoji=False: a name with ``:fire:`` in it prints as written, not as an emoji.
 out = textsafe.install(
-    Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+    Console(
+        highlight=False, emoji=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200
+    )
 )
-err = textsafe.install(Console(stderr=True, highlight=False, soft_wrap=True))
+err = textsafe.install(Console(stderr=True, highlight=False, emoji=False, soft_wrap=True))
 
 
 class Unreachable(Exception):
