@@ -95,7 +95,7 @@ async def select_parked(pilot: Pilot[None], app: TopApp, placement_id: str) -> N
 
 async def test_bars_residents_targets_and_a_pending_request(alpha_daemon: DaemonProcess) -> None:
     uap = alpha_daemon.uap
-    placement_id = park(uap, "beta", "top-shows")
+    placement_id = park(uap, "beta", "top-shows[/x]:fire:")  # shown as written
     app = TopApp(uap.bus_address)
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, "the parked request", lambda: f"{placement_id}#1" in app.options)
@@ -105,9 +105,11 @@ async def test_bars_residents_targets_and_a_pending_request(alpha_daemon: Daemon
         assert "alpha" in row_keys(app, "residents")
         targets = app.query_one("#targets", DataTable)
         assert targets.row_count == 1
-        assert targets.get_row_at(0)[2] == "0"  # the fake engine's requests_processing
-        row = app.query_one("#pending", DataTable).get_row(f"{placement_id}#1")
-        assert row[1] == "beta" and row[2] == "top-shows"
+        assert str(targets.get_row_at(0)[2]) == "0"  # the fake engine's requests_processing
+        row = [
+            str(cell) for cell in app.query_one("#pending", DataTable).get_row(f"{placement_id}#1")
+        ]
+        assert row[1] == "beta" and row[2] == "top-shows[/x]:fire:"
         assert "stops alpha/alpha-q4" in row[5]
 
 

@@ -438,11 +438,13 @@ class TopApp(App[None]):
 
 
 def _fill(table: DataTable[Any], rows: list[tuple[str, tuple[str, ...]]]) -> None:
-    """Replace a table's rows, keeping the cursor on the same row number."""
+    """Replace a table's rows, keeping the cursor on the same row number. Each cell is
+    shown as written: a ``str`` cell is read as markup by the table, and names come from
+    any ``Admit`` caller (a client named ``[/x]`` would stop the view)."""
     row = table.cursor_row
     table.clear()
     for key, cells in rows:
-        table.add_row(*cells, key=key)
+        table.add_row(*(Text(cell, end="") for cell in cells), key=key)
     if rows:
         table.move_cursor(row=min(max(row, 0), len(rows) - 1))
 
