@@ -461,3 +461,15 @@ async def test_a_refused_click_is_answered_with_a_bubble_saying_why(
         assert answered()[1][3] == "uapplace: not dismissed (NotFound)"
     finally:
         await notifier.stop()
+
+
+@pytest.mark.bus
+async def test_an_alert_bubble_escapes_its_text_for_a_markup_server(
+    notification_daemon: MockService, notifier: Notifier
+) -> None:
+    # The mock announces body-markup: an alert naming a client `<a href=…>` & co must
+    # show those characters, not a link.
+    await notifier.message("uapplace: alert", 'client <a href="http://x">agent</a> & more')
+    await until(lambda: bool(notify_calls(notification_daemon)), "the alert bubble")
+    (call,) = notify_calls(notification_daemon)
+    assert call[4] == 'client &lt;a href="http://x"&gt;agent&lt;/a&gt; &amp; more'

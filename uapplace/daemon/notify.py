@@ -402,6 +402,8 @@ class Notifier:
                 return
             hints = {"urgency": Variant("y", URGENCY_CRITICAL if critical else URGENCY_NORMAL)}
             summary, body = printable(summary), printable(body, keep_newlines=True)
+            if self._markup:  # alert texts carry names from Admit callers and units
+                body = html.escape(body, quote=False)
             message = _notifications_call(
                 "Notify",
                 "susssasa{sv}i",
