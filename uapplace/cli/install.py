@@ -2,9 +2,9 @@
 
 ``install`` writes, where a user session finds them:
 
-- ``$XDG_DATA_HOME/dbus-1/services/org.uap.Placement1.service`` (from the repo's
+- ``$XDG_DATA_HOME/dbus-1/services/org.uap.Placement1.service`` (from the shipped
   ``dbus/``): the user bus starts ``uapplaced.service`` on the first call;
-- ``$XDG_CONFIG_HOME/systemd/user/uapplaced.service`` (from the repo's ``systemd/``),
+- ``$XDG_CONFIG_HOME/systemd/user/uapplaced.service`` (from the shipped ``systemd/``),
   with ``ExecStart=`` rewritten to this installation's ``uapplaced``;
 
 and with ``--with-shim`` (:class:`ShimInstall`) also
@@ -29,6 +29,9 @@ token only while it is the one ``install`` wrote, a link only while it points wh
 ``install`` pointed it, a directory only when empty; anything else is reported ``kept``.
 The two daemon files are also recognised by their marker alone (an install from before
 the manifest existed). Both commands are idempotent.
+
+The shipped files are found by :mod:`uapplace.files.shipped`: the checkout's folders, or
+the copy a wheel installed with the package (docs/architecture.md, "Shipped files").
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from uapplace.bus import connection as busio
 from uapplace.bus.util import bus_daemon_message, user_bus_address
+from uapplace.files import shipped
 from uapplace.files.jsonfile import ConfigFileError, atomic_write, dumps, read_json
 from uapplace.files.paths import BUS_NAME, Paths
 from uapplace.files.token import create_token
@@ -61,7 +65,6 @@ ACTIVATION_NAME = f"{BUS_NAME}.service"
 WANTED_BY = "default.target"
 """The shipped shim unit's ``[Install] WantedBy=``: where ``--enable-shim`` links it."""
 MANIFEST_NAME = "install-manifest.json"
-_REPO = Path(__file__).resolve().parents[2]
 RELOAD_TIMEOUT_S = 10.0
 UNIT_JOB_TIMEOUT_S = 30.0
 """Starting or stopping the shim unit: it listens within a second; a hang guard."""
@@ -169,7 +172,7 @@ def find_daemon() -> Path:
 
 
 def _template(relative: str) -> str:
-    path = _REPO / relative
+    path = shipped.path(relative)
     try:
         return path.read_text(encoding="utf-8")
     except OSError as err:
@@ -185,12 +188,12 @@ def _with_exec_start(template: str, command: str) -> str:
 
 
 def render_unit(daemon: Path) -> str:
-    """The repo's unit with ``ExecStart=`` pointing at ``daemon``."""
+    """The shipped unit with ``ExecStart=`` pointing at ``daemon``."""
     return _with_exec_start("systemd/uapplaced.service", shlex.quote(str(daemon)))
 
 
 def render_shim_unit(shim: Path, port: int | None) -> str:
-    """The repo's shim unit with ``ExecStart=`` pointing at ``shim`` (on ``port``)."""
+    """The shipped shim unit with ``ExecStart=`` pointing at ``shim`` (on ``port``)."""
     argv = [str(shim), "--host", "127.0.0.1"]
     if port is not None:
         argv += ["--port", str(port)]

@@ -12,7 +12,8 @@ Knobs:
                            ``model-registry.json``, the auto policy
 ``UAP_PLACEMENT_AUTO``     auto policy file, default ``$UAP_HOME/placement-auto.json``
 ``UAPPLACE_CONFIG_DIR``    the shipped defaults (``model-registry.json``,
-                           ``capacity-policy.json``), default the repo's ``config/``
+                           ``capacity-policy.json``), default the shipped ``config/``
+                           (:mod:`uapplace.files.shipped`: the checkout's or the wheel's)
 ``UAPPLACE_SIM_GPU``       simulated GPU state file; when set, it replaces NVML
 ``XDG_RUNTIME_DIR``        the shim token lives in ``$XDG_RUNTIME_DIR/uapplace/token``,
                            uapplaced's Admit-only peer socket in ``…/uapplace/bus``
@@ -42,14 +43,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from uapplace.files import shipped
+
 BUS_NAME = "org.uap.Placement1"
 OBJECT_PATH = "/org/uap/Placement1"
 INTERFACE = "org.uap.Placement1"
 DEFAULT_SHIM_PORT = 3847
 DEFAULT_PROXY_URL = "http://127.0.0.1:4000"
 DEFAULT_SYSTEM_BUS_ADDRESS = "unix:path=/run/dbus/system_bus_socket"
-
-_REPO_CONFIG = Path(__file__).resolve().parents[2] / "config"
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Paths:
         port_text = env.get("UAPPLACE_SHIM_PORT", "")
         return cls(
             uap_home=uap_home,
-            config_dir=Path(env.get("UAPPLACE_CONFIG_DIR") or _REPO_CONFIG),
+            config_dir=Path(env.get("UAPPLACE_CONFIG_DIR") or shipped.path("config")),
             runtime_dir=runtime_dir,
             config_home=config_home,
             auto_policy=Path(env.get("UAP_PLACEMENT_AUTO") or uap_home / "placement-auto.json"),

@@ -8,8 +8,9 @@ A template is a unit file with placeholders, each on its own or inside a line:
 ``@MARKER@`` (the first line's comment: who wrote the file), ``@NAME@`` and ``@MODEL@``
 (the ``Description=``), ``@EXEC_START@`` (the command, every word quoted for systemd),
 ``@ENVIRONMENT@`` (a line of its own: one ``Environment=`` per pair, or no line at all)
-and ``@START_TIMEOUT@``. The templates are read from the repository's ``systemd/templates``,
-as ``uapplace install`` reads ``systemd/*.service``.
+and ``@START_TIMEOUT@``. The templates are the shipped ``systemd/templates``
+(:mod:`uapplace.files.shipped`: the checkout's, or the copy installed with the package),
+as ``uapplace install`` reads the shipped ``systemd/*.service``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "systemd" / "templates"
+from uapplace.files import shipped
+
+TEMPLATE_DIR = shipped.path("systemd/templates")
 ENGINES = ("llama.cpp", "vllm", "fake")
 """The templates: llama.cpp's ``llama-server``, vLLM, and uapplace's simulated engine."""
 START_TIMEOUT = {"llama.cpp": "300s", "vllm": "900s", "fake": "60s"}
