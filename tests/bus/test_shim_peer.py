@@ -189,7 +189,10 @@ class FakeOwner:
 
 async def gateway_admit(gateway: BusGateway, client: str) -> str:
     reply = await gateway.call(
-        "Admit", 1.5, lambda c: c.admit("alpha", client, "", 1), via_peer=True
+        "Admit",
+        1.5,
+        lambda c: c.admit("alpha", client, "", 1),
+        peer_work=lambda p: p.admit("alpha", client, "", 1),
     )
     return str(reply["target_id"])
 

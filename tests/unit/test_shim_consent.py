@@ -14,7 +14,7 @@ from uapplace.shim.bodies import (
     VictimRefBody,
     signature_of,
 )
-from uapplace.shim.gateway import BusGateway, BusWork
+from uapplace.shim.gateway import BusGateway, BusWork, PeerWork
 from uapplace.shim.handlers import Shim
 from uapplace.shim.metrics import ShimMetrics
 from uapplace.shim.responses import HttpError
@@ -32,7 +32,12 @@ class DriftedGateway(BusGateway):
         super().__init__("unix:path=/nonexistent", ShimMetrics())
 
     async def call(
-        self, method: str, deadline: float, work: BusWork[T], *, via_peer: bool = False
+        self,
+        method: str,
+        deadline: float,
+        work: BusWork[T],
+        *,
+        peer_work: PeerWork[T] | None = None,
     ) -> T:
         raise PlacementError("org.uap.Placement1.Error.Drifted", DRIFTED)
 

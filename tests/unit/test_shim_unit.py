@@ -776,7 +776,7 @@ class ScriptedGateway(BusGateway):
         super().__init__("unix:path=/nonexistent", ShimMetrics())
         self.outcome = outcome
 
-    async def call(self, method: str, deadline: float, work: Any, *, via_peer: bool = False) -> Any:
+    async def call(self, method: str, deadline: float, work: Any, *, peer_work: Any = None) -> Any:
         if isinstance(self.outcome, PlacementError):
             raise self.outcome
         return self.outcome

@@ -19,10 +19,11 @@ Who may connect (the daemon's side, :class:`PeerListener`):
   not authorized on the bus either (docs/http-contract.md §1: loopback proxies admit), so the
   socket gives no one anything the bus would not.
 
-Whom the shim trusts (:func:`connect_peer`): a socket in a ``0700`` directory
-owned by its own uid, whose listening process (``SO_PEERCRED``) is the process
-that owns ``org.uap.Placement1`` on the bus the shim was given. Anything else,
-or any failure, and the shim stays on the user bus.
+Whom the shim trusts (:meth:`uapplace.bus.peerlink.PeerAdmitLink.open`, the shim's own
+lean client; :func:`connect_peer` for a dbus-fast connection, as benches and tests use):
+a socket in a ``0700`` directory owned by its own uid, whose listening process
+(``SO_PEERCRED``) is the process that owns ``org.uap.Placement1`` on the bus the shim
+was given. Anything else, or any failure, and the shim stays on the user bus.
 
 Wire details: the client speaks first (a NUL byte, then ``AUTH EXTERNAL
 <hex uid>``, ``BEGIN``), as with any bus; lines are read with ``MSG_PEEK`` so

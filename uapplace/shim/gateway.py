@@ -21,7 +21,7 @@ from typing import TypeAlias, TypeVar
 from dbus_fast import MessageType
 
 from uapplace.bus.client import PlacementClient, PlacementError
-from uapplace.bus.peer import connect_peer
+from uapplace.bus.peerlink import PeerAdmitLink
 from uapplace.bus.util import bus_daemon_message
 from uapplace.files.paths import BUS_NAME
 from uapplace.shim.metrics import ShimMetrics
@@ -33,6 +33,8 @@ T = TypeVar("T")
 
 BusWork: TypeAlias = Callable[[PlacementClient], Awaitable[T]]
 """What one call does with a connected client, e.g. ``lambda c: c.call("GetState")``."""
+PeerWork: TypeAlias = Callable[[PeerAdmitLink], Awaitable[T]]
+"""The same call on the peer link (``AdmitBy`` only), e.g. ``lambda p: p.admit(…)``."""
 
 PEER_RETRY_S = 5.0
 """How often the shim tries the daemon's peer socket again while it cannot be used."""
@@ -70,7 +72,8 @@ class BusGateway:
     its latency lands in the metrics whatever the outcome.
 
     The peer socket (:mod:`uapplace.bus.peer`) skips ``dbus-daemon``'s two hops on the
-    hot path. It is used only once :func:`uapplace.bus.peer.connect_peer` has checked
+    hot path, through the shim's own lean client (:class:`uapplace.bus.peerlink.PeerAdmitLink`).
+    It is used only once :meth:`~uapplace.bus.peerlink.PeerAdmitLink.open` has checked
     that its listener is the process owning ``org.uap.Placement1`` on this bus;
     until then, after a failed attempt (retried at most every
     :data:`PEER_RETRY_S`), or with ``peer_socket=None``, admits take the bus.
@@ -86,7 +89,7 @@ class BusGateway:
         self.peer_socket = peer_socket
         self._client: PlacementClient | None = None
         self._connecting = asyncio.Lock()
-        self._peer: PlacementClient | None = None
+        self._peer: PeerAdmitLink | None = None
         self._peer_retry_at = 0.0
         self._peer_note = ""
         self._bus_slots = asyncio.Semaphore(BUS_CALLS_IN_FLIGHT)
@@ -100,11 +103,11 @@ class BusGateway:
     @property
     def on_peer(self) -> bool:
         """Whether admits currently go over the peer socket."""
-        return self._peer is not None and self._peer.bus.connected
+        return self._peer is not None and self._peer.connected
 
     def _drop_peer(self) -> None:
         if self._peer is not None:
-            self._peer.disconnect()
+            self._peer.close()
             self._peer = None
 
     def _note_peer(self, note: str) -> None:
@@ -113,7 +116,7 @@ class BusGateway:
             self._peer_note = note
             log.info("%s", note)
 
-    async def _peer_client(self) -> PlacementClient | None:
+    async def _peer_client(self) -> PeerAdmitLink | None:
         """The peer link, (re)made when allowed; ``None``: use the bus."""
         if self.on_peer:
             return self._peer
@@ -126,12 +129,12 @@ class BusGateway:
             # Bounded on its own, so a peer socket that hangs costs this admit little.
             async with asyncio.timeout(PEER_CONNECT_S):
                 owner = await self._owner_pid(await self._connected())
-                bus = await connect_peer(self.peer_socket, owner)
+                link = await PeerAdmitLink.open(self.peer_socket, owner)
         except Exception as err:  # every failure means "stay on the bus"
             why = str(err) or type(err).__name__
             self._note_peer(f"admits go over the bus (peer socket {self.peer_socket}: {why})")
             return None
-        self._peer = PlacementClient(bus, call_timeout=None)
+        self._peer = link
         self._note_peer(
             f"admits go over the peer socket {self.peer_socket} (uapplaced pid {owner})"
         )
@@ -164,23 +167,28 @@ class BusGateway:
             return self._client
 
     async def call(
-        self, method: str, deadline: float, work: BusWork[T], *, via_peer: bool = False
+        self,
+        method: str,
+        deadline: float,
+        work: BusWork[T],
+        *,
+        peer_work: PeerWork[T] | None = None,
     ) -> T:
-        """``work`` on a client (the peer link when ``via_peer`` and usable, else the bus)."""
+        """``peer_work`` on the peer link when given and usable, else ``work`` on the bus."""
         started = time.perf_counter()
         outcome = "ok"
         try:
             async with asyncio.timeout(deadline):
                 peer = None
-                if via_peer:  # the usual case, an open peer link, without a coroutine
+                if peer_work is not None:  # the usual case, an open peer link, no coroutine
                     peer = self._peer if self.on_peer else await self._peer_client()
-                if peer is not None:
+                if peer is not None and peer_work is not None:
                     try:
-                        return await work(peer)
+                        return await peer_work(peer)
                     except PlacementError:
                         raise  # the daemon's own answer
                     except Exception as err:
-                        if peer.bus.connected:
+                        if peer.connected:
                             raise
                         self._drop_peer()
                         why = str(err) or type(err).__name__

@@ -62,7 +62,7 @@ from uapplace.shim.bodies import (
     signature_of,
 )
 from uapplace.shim.events import StreamLimits, stream_events
-from uapplace.shim.gateway import BusGateway, BusWork, DaemonUnavailable
+from uapplace.shim.gateway import BusGateway, BusWork, DaemonUnavailable, PeerWork
 from uapplace.shim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from uapplace.shim.metrics import ShimMetrics
 from uapplace.shim.openapi import openapi_document
@@ -121,11 +121,11 @@ class Shim:
         return await read_model(request, model, self.settings.body_timeout)
 
     async def bus(
-        self, method: str, deadline: float, work: BusWork[T], *, via_peer: bool = False
+        self, method: str, deadline: float, work: BusWork[T], peer_work: PeerWork[T] | None = None
     ) -> T:
         """A bus call with the daemon's errors turned into HTTP answers."""
         try:
-            return await self.gateway.call(method, deadline, work, via_peer=via_peer)
+            return await self.gateway.call(method, deadline, work, peer_work=peer_work)
         except DaemonUnavailable as err:
             raise HttpError(503, f"placement daemon unavailable: {err}") from None
         except PlacementError as err:
@@ -159,7 +159,9 @@ class Shim:
             lambda c: c.admit(
                 admit.model_id, admit.client, admit.session, admit.cells, deadline_us=deadline_us
             ),
-            via_peer=True,
+            lambda p: p.admit(
+                admit.model_id, admit.client, admit.session, admit.cells, deadline_us=deadline_us
+            ),
         )
         if answer.get("reason") == DEADLINE_PASSED and not answer.get("placement_id"):
             raise HttpError(503, "placement daemon unavailable: it answered after the deadline")
