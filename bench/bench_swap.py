@@ -15,9 +15,19 @@ must stop for the other to start), a fake of the proxy's internal routes and
   daemon's controller and enforcement, without the bus).
 
 Each round swaps both ways with both methods (baseline A→B, enforcement B→A,
-enforcement A→B, baseline B→A). Prints every sample, the medians, the ratio and
-the per-step times of the enforcement (from the ``EnforcementStep`` signals).
-Target: ratio ≤ 1.02 (issue 23; was 1.10). Needs root (contained manager).
+enforcement A→B, baseline B→A). Prints every sample; each figure as median
+[interquartile] (min – max); the paired ratios (each enforcement against the shell swap
+of the same direction in the same round); the time outside the engine's load (the swap
+less verify-up against the shell's less its poll); the per-step times of the enforcement
+(from the ``EnforcementStep`` signals) and, by part, against the shell's own ``stop``,
+``start`` and ``poll`` (stamped inside its script, :mod:`bench.shell_swap`). Target:
+ratio ≤ 1.02 (issue 23; was 1.10). Needs root (contained manager).
+
+``--ab-daemon-cmd CMD`` builds a second sandbox whose ``uapplaced`` is ``CMD`` and runs
+the two sandboxes' rounds in turns: a before/after under one load (docs/performance.md,
+"Swap at the shell's pace"), e.g. ``--daemon-cmd "env -C BASE PYTHONPATH=BASE
+.venv/bin/python -m uapplace.daemon" --ab-daemon-cmd "env -C . .venv/bin/python -m
+uapplace.daemon"`` (``env -C``: ``python -m`` puts its working directory first).
 
 ``--pause`` (issue 12) measures the pause/wake column instead: both fake engines run
 the vLLM sleep API (``--sleep-mode``, ``--cold-secs`` to load, default 20 s,
@@ -35,6 +45,7 @@ llama-server router's unload + load against a cold stop; start; poll). Needs ``m
 engine``; exits 2 naming it when the binary is missing.
 
     .venv/bin/python bench/bench_swap.py [--rounds 4] [--via bus|inprocess]
+    .venv/bin/python bench/bench_swap.py --rounds 8 --daemon-cmd CMD --ab-daemon-cmd CMD
     .venv/bin/python bench/bench_swap.py --pause --rounds 1
     .venv/bin/python bench/bench_swap.py --engine llama.cpp [--rounds 4] [--pause]
 """
@@ -74,7 +85,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import real_swap  # noqa: E402
-from bench.shell_swap import shell_swap  # noqa: E402
+from bench.shell_swap import ShellParts, shell_swap_parts  # noqa: E402
 
 TARGET_RATIO = 1.02
 PAUSE_TARGET_RATIO = 0.2
@@ -86,6 +97,12 @@ class Samples:
     baseline: list[float] = field(default_factory=list)
     enforcement: list[float] = field(default_factory=list)
     steps: dict[str, list[float]] = field(default_factory=dict)
+    shell_parts: list[ShellParts] = field(default_factory=list)
+    paired: list[tuple[float, float]] = field(default_factory=list)
+    """(enforcement, shell) of the same direction in the same round: the paired ratios."""
+    outside_engine: list[tuple[float, float]] = field(default_factory=list)
+    """(enforcement less verify-up, shell less its poll), paired as above: the time each
+    spends on anything but waiting for the engine to load, the noisiest part."""
 
 
 # --------------------------------------------------------------------------- the two ways
@@ -270,42 +287,74 @@ async def in_process(
 
 
 async def run(rounds: int, via: str, daemon_cmd: str | None) -> Samples:
-    samples = Samples()
+    (samples,) = await run_trees(rounds, via, [daemon_cmd])
+    return samples
+
+
+async def run_trees(rounds: int, via: str, daemon_cmds: list[str | None]) -> list[Samples]:
+    """One sandbox per daemon command, their rounds in turns (``--ab-daemon-cmd``: a
+    before/after under one load)."""
     spec = SandboxSpec(
         load_secs=1.0, resident=CODER, shim=False, daemon=via == "bus", pause_lever=None
     )
     async with AsyncExitStack() as stack:
-        argv = shlex.split(daemon_cmd) if daemon_cmd else None
-        box = await Sandbox.create(stack, spec, contain=True, daemon_argv=argv)
-        way = await (over_the_bus(stack, box) if via == "bus" else in_process(stack, box))
-        await way.wait_resident(CODER)
-        a, b = CODER, WRITER
+        rounds_of = []
+        for daemon_cmd in daemon_cmds:
+            argv = shlex.split(daemon_cmd) if daemon_cmd else None
+            box = await Sandbox.create(stack, spec, contain=True, daemon_argv=argv)
+            way = await (over_the_bus(stack, box) if via == "bus" else in_process(stack, box))
+            await way.wait_resident(CODER)
+            rounds_of.append(_Rounds(box, way, Samples()))
+        for record in [False] + [True] * rounds:
+            for index, tree in enumerate(rounds_of):
+                if len(rounds_of) > 1:
+                    print(f" tree {'AB'[index]}:", flush=True)
+                await tree.one_round(record)
+    return [tree.samples for tree in rounds_of]
 
-        async def one_round(record: bool) -> None:
-            took = await shell_swap(box, a, b)
-            await way.wait_resident(b)
-            timed = [("baseline", f"{a.key} → {b.key}", took)]
-            for start in (a, b):
-                took, steps = await way.swap(start)
-                timed.append(("enforcement", f"→ {start.key}", took))
-                if record:
-                    for step, seconds in steps.items():
-                        samples.steps.setdefault(step, []).append(seconds)
-            took = await shell_swap(box, b, a)
-            await way.wait_resident(a)
-            timed.append(("baseline", f"{b.key} → {a.key}", took))
-            for kind, what, seconds in timed:
-                label = "warm-up" if not record else kind
-                print(f"  {label:12} {what:26} {seconds * 1000:8.1f} ms", flush=True)
-                if record:
-                    (samples.baseline if kind == "baseline" else samples.enforcement).append(
-                        seconds
-                    )
 
-        await one_round(record=False)
-        for _ in range(rounds):
-            await one_round(record=True)
-    return samples
+@dataclass
+class _Rounds:
+    """One sandbox's rounds: shell A→B, enforcement B→A and A→B, shell B→A."""
+
+    box: Sandbox
+    way: Enforcement
+    samples: Samples
+
+    async def one_round(self, record: bool) -> None:
+        box, way, a, b = self.box, self.way, CODER, WRITER
+        there = await shell_swap_parts(box, a, b)
+        await way.wait_resident(b)
+        timed = [("baseline", f"{a.key} → {b.key}", there.total)]
+        swapped: dict[str, tuple[float, dict[str, float]]] = {}
+        for start in (a, b):
+            took, steps = await way.swap(start)
+            swapped[start.key] = (took, steps)
+            timed.append(("enforcement", f"→ {start.key}", took))
+        back = await shell_swap_parts(box, b, a)
+        await way.wait_resident(a)
+        timed.append(("baseline", f"{b.key} → {a.key}", back.total))
+        for kind, what, seconds in timed:
+            label = "warm-up" if not record else kind
+            print(f"  {label:12} {what:26} {seconds * 1000:8.1f} ms", flush=True)
+        if record:
+            _record_round(self.samples, [(swapped[b.key], there), (swapped[a.key], back)])
+
+
+def _record_round(
+    samples: Samples, pairs: list[tuple[tuple[float, dict[str, float]], ShellParts]]
+) -> None:
+    """One round's two pairs: each enforcement with the shell swap in its direction."""
+    for (took, steps), shell in pairs:
+        samples.baseline.append(shell.total)
+        samples.enforcement.append(took)
+        samples.shell_parts.append(shell)
+        samples.paired.append((took, shell.total))
+        samples.outside_engine.append(
+            (took - steps.get("verify-up", 0.0), shell.total - shell.poll)
+        )
+        for step, seconds in steps.items():
+            samples.steps.setdefault(step, []).append(seconds)
 
 
 @dataclass
@@ -360,23 +409,51 @@ def report_pause(samples: PauseSamples, cold_s: float, wake_s: float) -> int:
     return 0
 
 
+def spread(values: list[float]) -> str:
+    """``median [q1 – q3] (min – max)``, ×1000 (ms) or as ratios."""
+    ordered = sorted(values)
+    q1, _, q3 = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else (ordered[0],) * 3
+    return (
+        f"{statistics.median(ordered):.3f} [{q1:.3f} – {q3:.3f}] "
+        f"({ordered[0]:.3f} – {ordered[-1]:.3f})"
+    )
+
+
+PARTS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("before the stop", ("revalidate", "preflight", "mark-draining", "drain"), ""),
+    ("stop", ("stop",), "stop"),
+    ("start", ("verify-free", "start"), "start"),
+    ("until healthy", ("verify-up",), "poll"),
+    ("after", ("refresh-proxy", "resolve", "(reply)"), "outside"),
+)
+"""uapplace's steps against the shell's parts: (part, its steps, the ShellParts field)."""
+
+
 def report(samples: Samples, via: str) -> int:
     base = statistics.median(samples.baseline)
     enforced = statistics.median(samples.enforcement)
     ratio = enforced / base
     overhead_ms = (enforced - base) * 1000
+    n = len(samples.baseline)
     print()
+    print(f"baseline    (shell stop/start/poll 50 ms) s: {spread(samples.baseline)}  n={n}")
+    print(f"enforcement (Apply, {via:9})          s: {spread(samples.enforcement)}  n={n}")
+    print("  (median [interquartile] (min – max))")
+    paired = [e / b for e, b in samples.paired]
+    outside = [e / b for e, b in samples.outside_engine]
+    outside_ms = [(e - b) * 1000 for e, b in samples.outside_engine]
+    print(f"paired ratios (same round, same direction): {spread(paired)}")
     print(
-        f"baseline    (shell stop/start/poll 50 ms): median {base * 1000:7.1f} ms  "
-        f"mean {statistics.mean(samples.baseline) * 1000:7.1f} ms  n={len(samples.baseline)}"
+        f"outside the engine's load (less verify-up / less the shell's poll): ratio "
+        f"{spread(outside)}; difference ms {statistics.median(outside_ms):+.1f}"
     )
+    verdict = "PASS" if ratio <= TARGET_RATIO else "FAIL"
+    q1, _, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else (paired[0],) * 3
+    if q1 <= TARGET_RATIO <= q3 or q1 <= ratio <= TARGET_RATIO <= q3:
+        verdict += " (the goal is inside the paired ratios' interquartile range: noise)"
     print(
-        f"enforcement (Apply, {via:9}):          median {enforced * 1000:7.1f} ms  "
-        f"mean {statistics.mean(samples.enforcement) * 1000:7.1f} ms  n={len(samples.enforcement)}"
-    )
-    print(
-        f"ratio {ratio:.3f}  (overhead {overhead_ms:+.1f} ms)  target ≤ {TARGET_RATIO:.2f}: "
-        f"{'PASS' if ratio <= TARGET_RATIO else 'FAIL'}"
+        f"ratio of medians {ratio:.3f}  (overhead {overhead_ms:+.1f} ms)  target ≤ "
+        f"{TARGET_RATIO:.2f}: {verdict}"
     )
     if samples.steps:
         print(
@@ -385,7 +462,45 @@ def report(samples: Samples, via: str) -> int:
         )
         for step, values in samples.steps.items():
             print(f"  {step:14} {statistics.median(values) * 1000:8.1f}")
+        print("\nby part, median ms: uapplace's steps | the shell's part | difference")
+        for part, steps, field_name in PARTS:
+            ours = statistics.median(
+                sum(samples.steps.get(step, [0.0] * n)[i] for step in steps) for i in range(n)
+            )
+            shell = (
+                statistics.median(getattr(p, field_name) for p in samples.shell_parts)
+                if field_name
+                else 0.0
+            )
+            print(
+                f"  {part:16} {ours * 1000:8.1f} | {shell * 1000:8.1f} | "
+                f"{(ours - shell) * 1000:+8.1f}   ({' + '.join(steps)})"
+            )
     return 0
+
+
+def report_ab(trees: list[Samples]) -> int:
+    """Each tree's report, then B against A: the figures their rounds in turns share."""
+    for name, samples in zip("AB", trees, strict=True):
+        print(f"\n===== tree {name}")
+        report(samples, "bus")
+    a, b = trees
+    print("\n===== B against A (rounds in turns, one load)")
+    for label, pick in (
+        ("paired ratio to the shell", lambda s: [e / x for e, x in s.paired]),
+        ("outside the engine's load, ms over the shell", _outside_ms),
+    ):
+        print(f"  {label:46} A {spread(pick(a))}   B {spread(pick(b))}")
+    print("  steps, median ms:   A | B")
+    for step in a.steps:
+        mid_a = statistics.median(a.steps[step]) * 1000
+        mid_b = statistics.median(b.steps.get(step, [0.0])) * 1000
+        print(f"    {step:14} {mid_a:8.1f} | {mid_b:8.1f}")
+    return 0
+
+
+def _outside_ms(samples: Samples) -> list[float]:
+    return [(e - x) * 1000 for e, x in samples.outside_engine]
 
 
 def main() -> int:
@@ -396,6 +511,12 @@ def main() -> int:
         "--daemon-cmd",
         default=None,
         help="command that runs uapplaced (default: this Python's -m uapplace.daemon)",
+    )
+    parser.add_argument(
+        "--ab-daemon-cmd",
+        default=None,
+        help="a second uapplaced command (e.g. `env PYTHONPATH=BASE python -m uapplace.daemon`):"
+        " two sandboxes, rounds in turns, A (--daemon-cmd) against B (this)",
     )
     parser.add_argument("--pause", action="store_true", help="the pause/wake column (issue 12)")
     parser.add_argument("--cold-secs", type=float, default=20.0, help="--pause: load time")
@@ -424,6 +545,11 @@ def main() -> int:
         )
         return report_pause(paused, args.cold_secs, args.wake_secs)
     print(f"swap benchmark: {args.rounds} rounds + 1 warm-up, enforcement via {args.via}")
+    if args.ab_daemon_cmd is not None:
+        if args.via != "bus":
+            parser.error("--ab-daemon-cmd compares two daemons: it needs --via bus")
+        trees = asyncio.run(run_trees(args.rounds, args.via, [args.daemon_cmd, args.ab_daemon_cmd]))
+        return report_ab(trees)
     try:
         samples = asyncio.run(run(args.rounds, args.via, args.daemon_cmd))
     except KeyboardInterrupt:

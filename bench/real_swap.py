@@ -53,7 +53,7 @@ from typing import Any
 import aiohttp
 from dbus_fast import Message, MessageType
 
-from bench.shell_swap import POLL_S, shell_swap
+from bench.shell_swap import POLL_S, ShellParts, shell_swap, shell_swap_parts
 from uapplace.bus.client import PlacementClient
 from uapplace.demo.real_engine import engine_problem, measure_models, missing_engine_text
 from uapplace.demo.sandbox import (
@@ -82,6 +82,9 @@ class SwapSamples:
     end_to_end: list[float] = field(default_factory=list)
     run: list[float] = field(default_factory=list)
     steps: dict[str, list[float]] = field(default_factory=dict)
+    shell_parts: list[ShellParts] = field(default_factory=list)
+    paired: list[tuple[float, float]] = field(default_factory=list)
+    """(run time, shell) of the same direction in the same round: the paired ratios."""
 
 
 @dataclass
@@ -232,20 +235,25 @@ async def run_swap(binary: Path, rounds: int) -> SwapSamples:
 
         async def one_round(record: bool) -> None:
             timed: list[tuple[str, str, float, float | None]] = []
-            took = await shell_swap(box, a, b, GUARD_S)
+            there = await shell_swap_parts(box, a, b, GUARD_S)
             await swaps.wait_hot(b)
-            timed.append(("shell", f"{a.key} → {b.key}", took, None))
+            timed.append(("shell", f"{a.key} → {b.key}", there.total, None))
+            runs: dict[str, float] = {}
             for start in (a, b):
                 end_to_end, run, steps = await swaps.swap(start)
+                runs[start.key] = run
                 timed.append(("uapplace", f"→ {start.key}", end_to_end, run))
                 if record:
                     samples.end_to_end.append(end_to_end)
                     samples.run.append(run)
                     for step, seconds in steps.items():
                         samples.steps.setdefault(step, []).append(seconds)
-            took = await shell_swap(box, b, a, GUARD_S)
+            back = await shell_swap_parts(box, b, a, GUARD_S)
             await swaps.wait_hot(a)
-            timed.append(("shell", f"{b.key} → {a.key}", took, None))
+            timed.append(("shell", f"{b.key} → {a.key}", back.total, None))
+            if record:
+                samples.shell_parts += [there, back]
+                samples.paired += [(runs[b.key], there.total), (runs[a.key], back.total)]
             for kind, what, seconds, run_s in timed:
                 label = kind if record else f"({kind})"
                 extra = f"   run {run_s * 1000:7.1f} ms" if run_s is not None else ""
@@ -277,6 +285,12 @@ def report_swap(samples: SwapSamples, rounds: int) -> int:
     ):
         verdict = "PASS" if value <= goal else "FAIL"
         print(f"ratio {what:10} {value:6.3f}  goal ≤ {goal:.2f} (issue 23): {verdict}")
+    print(f"spread, s: median [interquartile] (min – max); n={len(samples.shell)}")
+    print(f"  shell      {spread(samples.shell)}")
+    print(f"  run time   {spread(samples.run)}")
+    print(f"  end to end {spread(samples.end_to_end)}")
+    print(f"  paired run-time ratios (same round, same direction) {spread(ratios(samples))}")
+    _by_part(samples)
     if samples.steps:
         print("\nsteps, median ms, each since the one before: the first since the CLI started")
         print("(Python start-up and the impact preview included); (reply printed): the CLI")
@@ -286,6 +300,46 @@ def report_swap(samples: SwapSamples, rounds: int) -> int:
     print(f"\n{rounds} rounds + 1 warm-up; engines: llama-server -c {LLAMA_CTX} ", end="")
     print(f"--parallel {LLAMA_PARALLEL}")
     return 0
+
+
+def spread(values: list[float]) -> str:
+    """``median [q1 – q3] (min – max)``."""
+    ordered = sorted(values)
+    q1, _, q3 = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else (ordered[0],) * 3
+    return (
+        f"{statistics.median(ordered):.3f} [{q1:.3f} – {q3:.3f}] "
+        f"({ordered[0]:.3f} – {ordered[-1]:.3f})"
+    )
+
+
+def ratios(samples: SwapSamples) -> list[float]:
+    return [run / shell for run, shell in samples.paired]
+
+
+def _by_part(samples: SwapSamples) -> None:
+    """The shell's own parts against the steps that do the same (medians, ms)."""
+    shell = samples.shell_parts
+    if not shell or not samples.steps:
+        return
+    n = len(samples.run)
+
+    def ours(*steps: str) -> float:
+        rows = [samples.steps.get(step, [0.0] * n) for step in steps]
+        return statistics.median(sum(row[i] for row in rows) for i in range(n)) * 1000
+
+    print("by part, median ms: uapplace's steps | the shell's part")
+    for part, mine, theirs in (
+        ("stop", ours("stop"), statistics.median(p.stop for p in shell) * 1000),
+        ("start", ours("verify-free", "start"), statistics.median(p.start for p in shell) * 1000),
+        ("until healthy", ours("verify-up"), statistics.median(p.poll for p in shell) * 1000),
+    ):
+        print(f"  {part:14} {mine:8.1f} | {theirs:8.1f}")
+    before = ours("preflight", "mark-draining", "drain")
+    after = ours("refresh-proxy", "resolve")
+    print(
+        f"  uapplace only: preflight + mark-draining + drain {before:.1f}; "
+        f"refresh + resolve {after:.1f}"
+    )
 
 
 # --------------------------------------------------------------------------- the router

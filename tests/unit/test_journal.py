@@ -75,6 +75,24 @@ def test_no_file_means_no_run_in_progress_and_clear_is_idempotent(tmp_path: Path
     assert list(tmp_path.iterdir()) == []  # no temporary file left behind either
 
 
+async def test_a_clear_without_sync_leaves_the_directory_fsync_for_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[Path] = []
+    monkeypatch.setattr("uapplace.files.journal.fsync_directory", synced.append)
+    journal = Journal(tmp_path / "enforcement-journal.json")
+    journal.write(record())
+
+    await journal.clear(sync=False)
+
+    assert journal.read() is None and synced == []  # gone at once, not yet durable
+    await journal.sync_directory()
+    assert synced == [tmp_path]
+    journal.write(record())
+    await journal.clear()
+    assert synced == [tmp_path, tmp_path]  # the default still fsyncs before it returns
+
+
 def test_the_path_is_under_uap_home(tmp_path: Path) -> None:
     paths = Paths.from_env({"HOME": str(tmp_path), "UAP_HOME": str(tmp_path / "uap")})
     assert paths.enforcement_journal == tmp_path / "uap" / "enforcement-journal.json"

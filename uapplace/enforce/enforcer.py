@@ -58,7 +58,7 @@ from uapplace.enforce import pause as enforce_pause
 from uapplace.enforce import revalidate, rollback
 from uapplace.enforce import steps as enforce_steps
 from uapplace.enforce.host import EnforcementHost, ProxyRefresher
-from uapplace.enforce.journaling import journal_clear
+from uapplace.enforce.journaling import journal_clear, journal_synced
 from uapplace.enforce.run import (
     EnforcementResult,
     Run,
@@ -119,6 +119,9 @@ class Enforcer:
         self._running: str | None = None
         self._applying: str | None = None
         self._drained: frozenset[str] = frozenset()
+        self._clearing: asyncio.Future[None] | None = None
+        """The fsync that makes the last run's journal removal durable, which its reply
+        does not wait for (issue 23); whoever takes the lock next awaits it first."""
 
     # ------------------------------------------------------------------ public
 
@@ -142,7 +145,17 @@ class Enforcer:
 
     async def wait_idle(self) -> None:
         async with self._lock:
+            await self._journal_cleared()
+
+    async def _journal_cleared(self) -> None:
+        """Wait for the last run's journal removal to be durable (holding the lock)."""
+        clearing, self._clearing = self._clearing, None
+        if clearing is None:
             return
+        try:
+            await clearing
+        except Exception:  # journal_synced logs what it expects; anything else, here
+            log.exception("syncing the last run's enforcement journal removal failed")
 
     def use_timeouts(self, timeouts: Timeouts) -> None:
         """SIGHUP's re-read ``enforcement-timeouts.json``: the next run waits by it."""
@@ -161,6 +174,7 @@ class Enforcer:
                 "machine-wide: retry when it has finished"
             )
         async with self._lock:
+            await self._journal_cleared()
             self._running = what
             try:
                 yield
@@ -192,7 +206,8 @@ class Enforcer:
             signature = approved.signature
         what = f"apply {entry.id} option {option} ({option_text(approved)})"
 
-        async def target(run: Run) -> Target:
+        async def target(ctx: RunContext, run: Run) -> Target:
+            enforce_steps.prefetch_preflight(ctx, run, approved)
             return await revalidate.option_target(run.host, run, entry, approved, signature)
 
         result = await self._enforce(what, target, entry.id, wait, origin)
@@ -214,7 +229,7 @@ class Enforcer:
         """
         signature = normalize_signature(expected) or ()
 
-        async def target(run: Run) -> Target:
+        async def target(ctx: RunContext, run: Run) -> Target:
             return await revalidate.load_target(run.host, run, model, cells, signature)
 
         result = await self._enforce(f"load {model}", target, None, wait)
@@ -230,7 +245,7 @@ class Enforcer:
         """
         signature = normalize_signature(expected) or ()
 
-        async def target(run: Run) -> Target:
+        async def target(ctx: RunContext, run: Run) -> Target:
             return await revalidate.unload_target(run.host, run, model, signature)
 
         result = await self._enforce(f"unload {model}", target, None, wait)
@@ -241,7 +256,7 @@ class Enforcer:
     async def _enforce(
         self,
         what: str,
-        target_of: Callable[[Run], Awaitable[Target]],
+        target_of: Callable[[RunContext, Run], Awaitable[Target]],
         placement_id: str | None,
         wait: bool,
         origin: str | None = None,
@@ -252,6 +267,7 @@ class Enforcer:
                 "machine-wide: retry when it has finished"
             )
         async with self._lock:
+            await self._journal_cleared()
             # One registry for the whole run, whatever a reload swaps meanwhile (issue 20;
             # uapplace.enforce.snapshot).
             ctx = dataclasses.replace(self.ctx, host=RegistrySnapshot(self.host))
@@ -260,10 +276,14 @@ class Enforcer:
             self._applying = placement_id
             outcome = "refused"  # revalidation said no (or raised): nothing ran
             try:
-                target = await target_of(run)
+                target = await target_of(ctx, run)
                 result = await self._sequence(ctx, run, target, placement_id)
                 outcome = run_outcome(result.ok, result.rolled_back)
-                await journal_clear(ctx, run)
+                # The journal is gone before the reply; only the directory's fsync that
+                # makes its removal durable follows it, awaited by the journal's next user
+                # (docs/performance.md, "Swap at the shell's pace").
+                await journal_clear(ctx, run, sync=False)
+                self._clearing = journal_synced(ctx)
                 by = rollback.unattended(target, wait, origin)
                 rollback.alert_unattended(ctx, run, target, result, by)
                 return result

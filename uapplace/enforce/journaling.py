@@ -10,6 +10,7 @@ changes a unit or an engine, and by :mod:`uapplace.enforce.enforcer` to clear it
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -31,14 +32,57 @@ async def journal_step(
     """
     if ctx.journal is None:
         return
+    earlier = await _settled(run)
+    if earlier is not None:
+        if step not in ROLLBACK_STEPS:
+            raise run.fail(step, earlier)
+        log.error("%s %s: %s", run.run_id, step, earlier)
+    why = await _write(ctx, run_record(ctx, run, target, step, stopping))
+    if why is None:
+        return
+    if step in ROLLBACK_STEPS:
+        log.error("%s %s: %s", run.run_id, step, why)
+        return
+    raise run.fail(step, why)
+
+
+def journal_progress(ctx: RunContext, run: Run, target: Target, step: str) -> None:
+    """Start making ``step``'s record durable without waiting for it: ``step`` is
+    read-only (``verify-free``, ``verify-up``) and awaits it with
+    :func:`progress_journaled` before it records itself ok."""
+    if ctx.journal is None:
+        return
+    record = run_record(ctx, run, target, step, ())
+    previous = run.journal_pending
+
+    async def write() -> str | None:
+        earlier = await previous if previous is not None else None
+        return earlier or await _write(ctx, record)
+
+    run.journal_pending = asyncio.ensure_future(write())
+
+
+async def progress_journaled(run: Run, step: str) -> None:
+    """Raise ``step``'s failure when its :func:`journal_progress` record could not be
+    written (the run rolls back, as when :func:`journal_step` fails)."""
+    why = await _settled(run)
+    if why is not None:
+        raise run.fail(step, why)
+
+
+async def _settled(run: Run) -> str | None:
+    """Wait for the record in flight, if any; why it failed, or ``None``."""
+    pending, run.journal_pending = run.journal_pending, None
+    return await pending if pending is not None else None
+
+
+async def _write(ctx: RunContext, record: RunRecord) -> str | None:
+    assert ctx.journal is not None
     try:
-        await ctx.journal.record(run_record(ctx, run, target, step, stopping))
+        await ctx.journal.record(record)
     except (OSError, ValueError, JournalError) as err:
-        why = f"cannot write the enforcement journal {ctx.journal.path}: {err}"
-        if step in ROLLBACK_STEPS:
-            log.error("%s %s: %s", run.run_id, step, why)
-            return
-        raise run.fail(step, why) from None
+        return f"cannot write the enforcement journal {ctx.journal.path}: {err}"
+    return None
 
 
 def run_record(
@@ -79,11 +123,31 @@ def run_record(
     )
 
 
-async def journal_clear(ctx: RunContext, run: Run) -> None:
-    """Remove the journal: the run ended (whatever its outcome), nothing to repair."""
+async def journal_clear(ctx: RunContext, run: Run, *, sync: bool = True) -> None:
+    """Remove the journal: the run ended (whatever its outcome), nothing to repair.
+    ``sync=False``: the removal is made durable by :func:`journal_synced` later."""
     if ctx.journal is None:
         return
+    earlier = await _settled(run)
+    if earlier is not None:
+        log.error("%s: %s", run.run_id, earlier)
     try:
-        await ctx.journal.clear()
+        await ctx.journal.clear(sync=sync)
     except OSError as err:  # recovery at the next start finds an ended run: no harm
         log.error("%s: cannot clear the enforcement journal: %s", run.run_id, err)
+
+
+def journal_synced(ctx: RunContext) -> asyncio.Future[None] | None:
+    """Start making a ``sync=False`` :func:`journal_clear` durable (the directory's
+    fsync); ``None`` without a journal. Never raises: a failure is logged."""
+    journal = ctx.journal
+    if journal is None:
+        return None
+
+    async def sync() -> None:
+        try:
+            await journal.sync_directory()
+        except OSError as err:
+            log.error("cannot fsync the enforcement journal's directory: %s", err)
+
+    return asyncio.ensure_future(sync())

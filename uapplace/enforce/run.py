@@ -33,6 +33,7 @@ from uapplace.core.alerts import AlertKind, Severity
 from uapplace.core.errors import Drifted
 from uapplace.core.model import (
     Config,
+    DeviceReading,
     Model,
     Option,
     PendingEntry,
@@ -168,6 +169,11 @@ class Run:
     started_at: float = field(default_factory=time.time)
     verify_up_bound: UpBound | None = None
     """The verify-up wait this run used for its new unit, and why that long."""
+    prefetched: PreflightReads | None = None
+    """Preflight's reads, started while revalidate runs (``steps.prefetch_preflight``)."""
+    journal_pending: asyncio.Future[str | None] | None = None
+    """A progress record being written while a read-only step goes on
+    (:func:`uapplace.enforce.journaling.journal_progress`): why it failed, or ``None``."""
 
     def record(self, step: str, ok: bool, detail: str) -> None:
         self.steps.append(StepRecord(step, ok, detail))
@@ -180,6 +186,16 @@ class Run:
     def fail(self, step: str, detail: str) -> StepFailed:
         self.record(step, False, detail)
         return StepFailed(step, detail)
+
+
+@dataclass(frozen=True)
+class PreflightReads:
+    """Preflight's two reads for ``unit``, started early (issue 23): the unit's state, its
+    read error and its ``ExecStart=`` binaries' problems; the host reading or why none."""
+
+    unit: str
+    unit_facts: asyncio.Future[tuple[UnitState | None, str, dict[str, str]]]
+    host_facts: asyncio.Future[tuple[DeviceReading | None, str]]
 
 
 @dataclass(frozen=True)

@@ -65,12 +65,15 @@ import asyncio
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from uapplace.core.alerts import AlertKind, Severity
 from uapplace.core.model import (
     Config,
     DeviceKind,
     DeviceReading,
+    Option,
+    OptionKind,
     ProbeSource,
     Resident,
     ResidentState,
@@ -90,8 +93,8 @@ from uapplace.core.steps import (
     VERIFY_UP,
 )
 from uapplace.core.topology import verify_endpoint
-from uapplace.core.unitnames import unit_file_name
-from uapplace.enforce.journaling import journal_step
+from uapplace.core.unitnames import unit_file_name, valid_unit_name
+from uapplace.enforce.journaling import journal_progress, journal_step, progress_journaled
 from uapplace.enforce.pause import unload_stopped, victim_slot
 from uapplace.enforce.preflight import (
     PreflightFacts,
@@ -101,6 +104,7 @@ from uapplace.enforce.preflight import (
 )
 from uapplace.enforce.run import (
     APPLIED,
+    PreflightReads,
     Run,
     RunContext,
     Target,
@@ -121,6 +125,8 @@ from uapplace.io.units import (
 )
 from uapplace.publish import verify
 
+T = TypeVar("T")
+
 # --------------------------------------------------------------------------- preflight
 
 
@@ -134,7 +140,7 @@ async def preflight(ctx: RunContext, run: Run, target: Target) -> str | None:
         stopping = ", ".join(v.signature for v in target.victims) or "nothing"
         run.record(PREFLIGHT, True, f"nothing starts ({target.kind}); {stopping} stops")
         return None
-    facts = await _preflight_facts(ctx, target, target.new_unit, target.config)
+    facts = await _preflight_facts(ctx, target, target.new_unit, target.config, run)
     problems = preflight_problems(facts)
     if problems:
         detail = "; ".join(problems)
@@ -144,12 +150,44 @@ async def preflight(ctx: RunContext, run: Run, target: Target) -> str | None:
     return None
 
 
+def prefetch_preflight(ctx: RunContext, run: Run, option: Option) -> None:
+    """Start preflight's reads for the unit ``option`` starts while revalidate runs (issue
+    23: the two wait on different processes). Both are reads, taken a few milliseconds
+    earlier than preflight itself; preflight uses them only when revalidate kept that
+    unit (:func:`_preflight_facts`), and never marks, drains or stops before it passed."""
+    if option.kind not in (OptionKind.DISPLACE, OptionKind.LOAD_ALONGSIDE):
+        return
+    model = ctx.host.registry().models.get(option.model)
+    config = model.configs.get(option.config) if model is not None else None
+    unit = model.unit_for(config) if model is not None and config is not None else None
+    if unit is None or not valid_unit_name(unit) or (config and config.is_router_model):
+        return
+    run.prefetched = PreflightReads(
+        unit_file_name(unit),
+        _retrieved(asyncio.ensure_future(_unit_facts(ctx, unit_file_name(unit)))),
+        _retrieved(asyncio.ensure_future(_host_facts(ctx))),
+    )
+
+
+def _retrieved(future: asyncio.Future[T]) -> asyncio.Future[T]:
+    """``future``, its outcome retrieved even when nobody awaits it (a refused run)."""
+    future.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return future
+
+
 async def _preflight_facts(
-    ctx: RunContext, target: Target, unit: str, config: Config
+    ctx: RunContext, target: Target, unit: str, config: Config, run: Run
 ) -> PreflightFacts:
-    # The unit (user manager's worker thread) and the host (probe thread) at once.
+    # The unit (user manager's worker process) and the host (probe thread) at once,
+    # started while revalidate ran when it kept the unit the option named.
+    early, run.prefetched = run.prefetched, None
+    if early is not None and early.unit == unit:
+        unit_facts, host_facts = early.unit_facts, early.host_facts
+    else:
+        unit_facts = asyncio.ensure_future(_unit_facts(ctx, unit))
+        host_facts = asyncio.ensure_future(_host_facts(ctx))
     (state, unit_error, binaries), (host_reading, host_error) = await asyncio.gather(
-        _unit_facts(ctx, unit), _host_facts(ctx)
+        unit_facts, host_facts
     )
     return PreflightFacts(
         unit=unit,
@@ -258,8 +296,13 @@ async def _look(ctx: RunContext, target: Target) -> DrainLook:
     # Before the list is asked: a lease seen run out here means the list asked below was
     # asked after it ran out, so a forward answered before the mark is in it if sent.
     leased = _leased(ctx, victims)
-    inflight = await ctx.host.inflight()
-    works = await asyncio.gather(*(_engine_work(ctx, target, v) for v in victims))
+    # The list and the engines at once (issue 23): neither answer depends on the other.
+    # The list is asked first, as before, the engines while it answers.
+    listed = asyncio.ensure_future(ctx.host.inflight())
+    try:
+        works = await asyncio.gather(*(_engine_work(ctx, target, v) for v in victims))
+    finally:
+        inflight = await listed
     reasons: list[str] = []
     asked: list[str] = []
     if inflight is None:
@@ -341,19 +384,29 @@ async def stop(ctx: RunContext, run: Run, target: Target) -> None:
         if target.pausing or unloaded:  # recovery must know the victims sleep (or are out)
             await journal_step(ctx, run, target, VERIFY_FREE)
         return
-    run.victim_pids = run.victim_pids | frozenset(await ctx.follower.pids_of(units))
-    await journal_step(ctx, run, target, STOP, units)
-    forced: list[str] = []
-    for unit in units:
+    # Issue 23: the victims' processes and stop timeouts are read while the record that
+    # must be durable before the stop is written; none of the three changes a unit.
+    pids, states, _ = await asyncio.gather(
+        ctx.follower.pids_of(units),
+        asyncio.gather(*(ctx.follower.fresh(unit) for unit in units)),
+        journal_step(ctx, run, target, STOP, units),
+    )
+    run.victim_pids = run.victim_pids | frozenset(pids)
+    done: list[str] = []
+    failed = ""
+    for unit, state in zip(units, states, strict=True):
         run.stopped_units.append(unit)
-        wait_s = stop_wait_s(await ctx.follower.fresh(unit), ctx.timeouts.stop_s)
-        outcome = await ctx.units.stop_unit(unit, wait_s)
+        outcome = await ctx.units.stop_unit(unit, stop_wait_s(state, ctx.timeouts.stop_s))
         if not outcome.ok:
-            state = await ctx.follower.state_text(unit)
-            raise run.fail(STOP, f"{unit}: stop job {outcome_text(outcome)}; unit {state}")
-        how = await forced_stop(ctx, run, target, unit)
-        if how is not None:
-            forced.append(f"{unit} {how}")
+            seen = await ctx.follower.state_text(unit)
+            failed = f"{unit}: stop job {outcome_text(outcome)}; unit {seen}"
+            break
+        done.append(unit)
+    # How each stop ended (a forced one raises its alert), read for all of them at once.
+    hows = await asyncio.gather(*(forced_stop(ctx, run, target, unit) for unit in done))
+    if failed:
+        raise run.fail(STOP, failed)
+    forced = [f"{unit} {how}" for unit, how in zip(done, hows, strict=True) if how is not None]
     stopped = f"stopped {', '.join(units)}" + (f"; {unloaded}" if unloaded else "")
     if forced:
         # Not fatal: the victim is down, and restarting it would not give the cut work back.
@@ -365,7 +418,7 @@ async def stop(ctx: RunContext, run: Run, target: Target) -> None:
         )
     else:
         run.record(STOP, True, stopped)
-    await journal_step(ctx, run, target, VERIFY_FREE)
+    journal_progress(ctx, run, target, VERIFY_FREE)
 
 
 async def forced_stop(ctx: RunContext, run: Run, target: Target, unit: str) -> str | None:
@@ -412,6 +465,7 @@ async def verify_free(ctx: RunContext, run: Run, target: Target) -> None:
         if problem is None:
             assert reading is not None
             what = f"{need:,.0f} MiB needed" if need else "victims released their memory"
+            await progress_journaled(run, VERIFY_FREE)
             run.record(
                 VERIFY_FREE,
                 True,
@@ -444,12 +498,15 @@ async def _verify_host_free(ctx: RunContext, run: Run, target: Target) -> None:
     deadline = time.monotonic() + bound.seconds
     pauses = _free_pauses(ctx)
     while True:
-        reading = (await ctx.host.read_devices()).get(target.device)
-        problem = _host_reading_problem(reading, target.device)
-        if problem is None:
-            problem = await _leftover_processes(ctx, units)
+        # The reading (probe thread) and the units' processes (unit worker) at once.
+        readings, leftover = await asyncio.gather(
+            ctx.host.read_devices(), _leftover_processes(ctx, units)
+        )
+        reading = readings.get(target.device)
+        problem = _host_reading_problem(reading, target.device) or leftover
         if problem is None:
             assert reading is not None
+            await progress_journaled(run, VERIFY_FREE)
             run.record(VERIFY_FREE, True, _host_freed_text(target, units, reading, bound.text()))
             return
         if time.monotonic() >= deadline:
@@ -568,7 +625,11 @@ async def start(ctx: RunContext, run: Run, target: Target) -> None:
         detail = f"{unit}: start job {outcome_text(outcome)}; unit {seen}"
         raise run.fail(START, await unitlogs.with_last_lines(detail, unit, state))
     run.record(START, True, f"started {unit}")
-    await journal_step(ctx, run, target, VERIFY_UP)
+    journal_progress(ctx, run, target, VERIFY_UP)
+
+
+async def _none() -> None:
+    return None
 
 
 async def failed_unit_text(ctx: RunContext, unit: str, text: str) -> str:
@@ -594,23 +655,29 @@ async def verify_up(ctx: RunContext, run: Run, target: Target) -> None:
         detail = await failed_unit_text(ctx, unit, f"{healthy}; {bound.text()}")
         raise run.fail(VERIFY_UP, detail)
     if endpoint is None:
+        await progress_journaled(run, VERIFY_UP)
         run.record(
             VERIFY_UP, True, f"{unit} active; no endpoint in the registry to probe; {bound.text()}"
         )
         return
     http_s = ctx.timeouts.http_s
-    # /v1/models must list the requested id, the model, its config or an advertised id.
+    # /v1/models must list the requested id, the model, its config or an advertised id;
+    # the policy's metrics are asked at the same time (issue 23: both GETs at once).
     expect = verify.expectation(target.model, target.config, target.requested)
-    problem = await verify.served_problem(endpoint, expect, http_s, ctx.engines)
+    policy = ctx.host.service_policy(target.model)
+    if policy is not None and not policy.metrics_must_match:
+        policy = None
+    served, measured = await asyncio.gather(
+        verify.served_problem(endpoint, expect, http_s, ctx.engines),
+        verify.metrics_problem(policy, endpoint, http_s, ctx.engines) if policy else _none(),
+    )
+    problem = served or measured
     if problem is not None:
         raise run.fail(VERIFY_UP, problem)
-    policy = ctx.host.service_policy(target.model)
     checked = ""
-    if policy is not None and policy.metrics_must_match:
-        problem = await verify.metrics_problem(policy, endpoint, http_s, ctx.engines)
-        if problem is not None:
-            raise run.fail(VERIFY_UP, problem)
+    if policy is not None:
         checked = f"; metricsMustMatch {', '.join(policy.metrics_must_match)} as policy"
+    await progress_journaled(run, VERIFY_UP)
     run.record(
         VERIFY_UP,
         True,

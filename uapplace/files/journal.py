@@ -20,7 +20,8 @@ file (``$UAP_HOME/enforcement-journal.json``) replaced with
 :func:`uapplace.files.jsonfile.atomic_write` (``sync=True``: fsync of the file, rename,
 fsync of the directory) in a worker thread, a few milliseconds per step. The
 file exists only while a run is in progress: :meth:`Journal.clear` removes it
-(and fsyncs the directory) when the run ends, whatever the outcome.
+(and fsyncs the directory; the enforcer lets its reply go before that fsync, issue 23)
+when the run ends, whatever the outcome.
 
 Steps recorded (:data:`uapplace.core.steps.JournaledStep`, the enforcement steps of
 :mod:`uapplace.enforce.enforcer`):
@@ -303,9 +304,17 @@ class Journal:
             log.warning("UAPPLACE_TEST_CRASH_AT=%s: SIGKILL after journaling it", record.step)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    async def clear(self) -> None:
-        """The run ended (applied, rolled back, or repaired): no run is in progress."""
-        await asyncio.to_thread(self.remove)
+    async def clear(self, *, sync: bool = True) -> None:
+        """The run ended (applied, rolled back, or repaired): no run is in progress.
+
+        ``sync=False`` leaves the directory's fsync to :meth:`sync_directory`: the file is
+        gone for any process at once, and only a power cut before that fsync can bring it
+        back (a run recovery finds ended: it verifies and changes nothing)."""
+        await asyncio.to_thread(self.remove, sync=sync)
+
+    async def sync_directory(self) -> None:
+        """Make a :meth:`clear` with ``sync=False`` durable."""
+        await asyncio.to_thread(fsync_directory, self.path.parent)
 
     # ---------------------------------------------------------------- blocking
 
@@ -336,12 +345,13 @@ class Journal:
             raise JournalError(self.path, f"{where}{err.message}") from None
         return record_from_json(self.path, data)
 
-    def remove(self) -> None:
+    def remove(self, *, sync: bool = True) -> None:
         try:
             self.path.unlink()
         except FileNotFoundError:
             return
-        fsync_directory(self.path.parent)
+        if sync:
+            fsync_directory(self.path.parent)
 
     def move_aside(self) -> Path:
         """Keep an unreadable journal for a human (``…json.broken``), out of the way."""

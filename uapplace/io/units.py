@@ -309,6 +309,28 @@ def _log_facts(unit_props: Mapping[bytes, Any], service_props: Mapping[bytes, An
     )
 
 
+SERVICE_PROPERTIES: tuple[bytes, ...] = (
+    b"MainPID",
+    b"ExecStart",
+    b"Result",
+    b"ExecMainCode",
+    b"ExecMainStatus",
+    b"TimeoutStopUSec",
+    b"StandardOutput",
+    b"StandardError",
+)
+"""The ``Service`` properties a read uses, each asked with ``Get`` for a unit last seen
+running: a ``GetAll`` there makes systemd compute all ~300 (cgroup memory, CPU, IO and IP
+accounting among them) and costs about twice as much. A unit not running is read with one
+``GetAll``: each call on an unloaded unit loads it again, so eight ``Get``s cost more
+(issue 23; docs/performance.md, "Swap at the shell's pace")."""
+
+
+def _has_processes(state: UnitState) -> bool:
+    """Whether ``state`` is one with a running cgroup (starting, running or stopping)."""
+    return state.active_state in RUNNING_OR_STARTING_STATES or state.active_state == "deactivating"
+
+
 _UNKNOWN = UnitState(active_state="", sub_state="", load_state="", main_pid=0, exec_start="")
 
 
@@ -419,7 +441,8 @@ class UnitManager:
         """The unit's current state (loads it if needed: a missing one is ``not-found``)."""
         unit = unit_name(name)
         self._require_connected()
-        state = await self._read_state(unit)
+        known = self._states.get(unit)
+        state = await self._read_state(unit, known is not None and _has_processes(known))
         # Signals may have moved on while we read: keep their fields, add ours.
         cached = self._states.get(unit)
         self._states[unit] = state if cached is None else signalled_with_read(cached, state)
@@ -512,16 +535,28 @@ class UnitManager:
         (body,) = await self._run([(SYSTEMD, MANAGER_PATH, MANAGER_IFACE, method, signature, args)])
         return body
 
-    async def _read_state(self, unit: str) -> UnitState:
-        # One round trip: LoadUnit, then GetAll on the path it answered (None below).
+    async def _read_state(self, unit: str, running: bool) -> UnitState:
+        # One round trip: LoadUnit, then GetAll (and Get) on the path it answered (None
+        # below). ``running`` (as last signalled): the Service properties one by one
+        # (SERVICE_PROPERTIES says why); else one GetAll, cheaper for a unit not running.
         calls: list[Call] = [
             (SYSTEMD, MANAGER_PATH, MANAGER_IFACE, b"LoadUnit", b"s", [unit.encode()]),
             (SYSTEMD, None, PROPERTIES_IFACE, b"GetAll", b"s", [UNIT_IFACE]),
         ]
-        if unit.endswith(".service"):
+        by_name = running and unit.endswith(".service")
+        if by_name:
+            calls += [
+                (SYSTEMD, None, PROPERTIES_IFACE, b"Get", b"ss", [SERVICE_IFACE, name])
+                for name in SERVICE_PROPERTIES
+            ]
+        elif unit.endswith(".service"):
             calls.append((SYSTEMD, None, PROPERTIES_IFACE, b"GetAll", b"s", [SERVICE_IFACE]))
         _path, props, *rest = await self._run(calls)
-        service: Mapping[bytes, Any] = rest[0] if rest else {}
+        service: Mapping[bytes, Any] = {}
+        if by_name:
+            service = dict(zip(SERVICE_PROPERTIES, rest, strict=True))
+        elif rest:
+            service = rest[0]
         state = _merge(_merge(_UNKNOWN, props), service)
         return replace(state, log_facts=_log_facts(props, service))
 

@@ -12,7 +12,7 @@ over a private socketpair and awaits the replies on its loop.
   :mod:`marshal` carries exactly; only the two ends of a socketpair the daemon made can
   write to it, and nothing received is ever executed). Request ``(id, calls)``: a
   sequence of :data:`Call` run in order, one round trip for a unit read (``LoadUnit``,
-  then ``GetAll`` on the path it returned); reply ``(id, True, bodies)`` or, at the
+  then ``GetAll`` and ``Get`` on the path it returned); reply ``(id, True, bodies)`` or, at the
   first refusal, ``(id, False, (kind, name, message, method))``. The worker answers
   first with a hello, ``(0, True, None)`` once its bus is open, or the error and exits.
 - **Life**: :class:`UnitWorker` starts the process on :meth:`UnitWorker.start` (or on
