@@ -18,6 +18,7 @@ from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusError
 
+from tests.worlds.peer_socket import listening, short_socket_path
 from uapplace.bus.peer import PeerListener, PeerRefused, connect_peer
 from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
@@ -34,21 +35,14 @@ def answer(
 
 @pytest.fixture
 def socket_path(tmp_path: Path) -> Iterator[Path]:
-    # AF_UNIX paths are short: keep it under the 107-byte limit.
-    runtime = Path(f"/tmp/uap-peer-{os.getpid()}-{tmp_path.name[-12:]}")
-    runtime.mkdir(mode=0o700)
-    yield runtime / "uapplace" / "bus"
-    for path in sorted(runtime.rglob("*"), reverse=True):
-        path.rmdir() if path.is_dir() else path.unlink()
-    runtime.rmdir()
+    with short_socket_path(tmp_path, "uap-peer") as path:
+        yield path
 
 
 @pytest.fixture
 async def listener(socket_path: Path) -> AsyncIterator[PeerListener]:
-    served = PeerListener(socket_path, answer)
-    await served.start()
-    yield served
-    await served.close()
+    async with listening(socket_path, answer) as served:
+        yield served
 
 
 def call(member: str, signature: str = "", body: list[object] | None = None) -> Message:

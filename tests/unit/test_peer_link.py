@@ -17,6 +17,7 @@ import pytest
 from dbus_fast import Message
 from dbus_fast.errors import DBusError
 
+from tests.worlds.peer_socket import listening, short_socket_path
 from uapplace.bus.client import PlacementError
 from uapplace.bus.peer import PeerListener, PeerRefused
 from uapplace.bus.peerlink import (
@@ -149,20 +150,14 @@ def answer(
 
 @pytest.fixture
 def socket_path(tmp_path: Path) -> Iterator[Path]:
-    runtime = Path(f"/tmp/uap-link-{os.getpid()}-{tmp_path.name[-12:]}")
-    runtime.mkdir(mode=0o700)
-    yield runtime / "uapplace" / "bus"
-    for path in sorted(runtime.rglob("*"), reverse=True):
-        path.rmdir() if path.is_dir() else path.unlink()
-    runtime.rmdir()
+    with short_socket_path(tmp_path, "uap-link") as path:
+        yield path
 
 
 @pytest.fixture
 async def listener(socket_path: Path) -> AsyncIterator[PeerListener]:
-    served = PeerListener(socket_path, answer)
-    await served.start()
-    yield served
-    await served.close()
+    async with listening(socket_path, answer) as served:
+        yield served
 
 
 @pytest.fixture
