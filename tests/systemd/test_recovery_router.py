@@ -98,15 +98,21 @@ async def statuses(world: RouterWorld) -> dict[str, str]:
     return {k: m.status for k, m in (await HTTP_ROUTER.models(world.endpoint, 2)).items()}
 
 
-async def test_row2_killed_at_verify_up_with_rb_loaded_finishes_without_a_restart(
-    world: RouterWorld, tmp_path: Path
-) -> None:
+async def ra_unloaded_rb_asked(world: RouterWorld) -> tuple[int, Resident]:
+    """What the dead daemon's swap had done: ``ra`` unloaded, the router asked to load
+    ``rb``; the router's main PID and ``ra`` as a resident before the swap."""
     router_pid = await load_ra(world)
     ra = resident_of(world, "ra")
-    # The dead daemon had unloaded ra and asked the router to load rb.
     await HTTP_ROUTER.unload(world.endpoint, "ra", 2)
     await until_status(world, "ra", "unloaded")
     await HTTP_ROUTER.load(world.endpoint, "rb", 2)
+    return router_pid, ra
+
+
+async def test_row2_killed_at_verify_up_with_rb_loaded_finishes_without_a_restart(
+    world: RouterWorld, tmp_path: Path
+) -> None:
+    router_pid, ra = await ra_unloaded_rb_asked(world)
 
     report = await repaired(world, tmp_path, cut_short(world, VERIFY_UP, ra))
 
@@ -120,11 +126,7 @@ async def test_row2_killed_at_verify_up_with_rb_loaded_finishes_without_a_restar
 async def test_row4_killed_while_rolling_back_unloads_rb_and_loads_ra_again(
     world: RouterWorld, tmp_path: Path
 ) -> None:
-    router_pid = await load_ra(world)
-    ra = resident_of(world, "ra")
-    await HTTP_ROUTER.unload(world.endpoint, "ra", 2)
-    await until_status(world, "ra", "unloaded")
-    await HTTP_ROUTER.load(world.endpoint, "rb", 2)
+    router_pid, ra = await ra_unloaded_rb_asked(world)
     await until_status(world, "rb", "loaded")
 
     report = await repaired(world, tmp_path, cut_short(world, ROLLBACK_STOP, ra))
