@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
+from dbus_fast.constants import MessageFlag
 
 from tests.bus.conftest import (
     SEEDED_ENDPOINT,
@@ -492,3 +493,53 @@ def test_a_corrupt_ledger_is_moved_aside_and_the_daemon_runs(
     assert list(uap.home.glob("placement.json.corrupt-*"))
     assert "was corrupt" in daemon.log()
     assert parse_ledger_text(uap.ledger.read_bytes()).pending[0].id == parked[2]
+
+
+# --------------------------------------------------------------------------- Admit's first handler
+
+
+async def raw_call(address: str, message: Message) -> Message | None:
+    """Send ``message`` on a fresh connection; its reply (``None`` when none was asked)."""
+    bus = await MessageBus(bus_address=address).connect()
+    try:
+        if message.flags & MessageFlag.NO_REPLY_EXPECTED:
+            await bus.send(message)
+            return None
+        async with asyncio.timeout(SIGNAL_WAIT_S):
+            return await bus.call(message)
+    finally:
+        bus.disconnect()
+
+
+def admit_message(path: str = OBJECT_PATH, flags: MessageFlag = MessageFlag.NONE) -> Message:
+    return Message(
+        destination=BUS_NAME,
+        path=path,
+        interface=INTERFACE,
+        member="Admit",
+        signature="sssu",
+        body=["beta", "first-handler", "", 0],
+        flags=flags,
+    )
+
+
+async def test_admit_at_another_object_path_is_not_answered(daemon: DaemonProcess) -> None:
+    # Admit is answered before dbus-fast's own dispatch only on the object itself.
+    reply = await raw_call(daemon.uap.bus_address, admit_message(path="/org/uap/Other"))
+    assert reply is not None and reply.message_type is MessageType.ERROR
+    # dbus-fast's own answer for a method no object at that path has
+    assert reply.error_name == "org.freedesktop.DBus.Error.UnknownMethod"
+
+
+async def test_an_admit_that_asks_no_reply_still_parks(
+    daemon: DaemonProcess, client: PlacementClient
+) -> None:
+    bus, queue = await subscribe(daemon.uap.bus_address)
+    try:
+        flags = MessageFlag.NO_REPLY_EXPECTED
+        assert await raw_call(daemon.uap.bus_address, admit_message(flags=flags)) is None
+        parked = await next_signal(queue, "Parked")
+        assert parked.body[1:3] == ["beta", "first-handler"]
+        assert pending_entry(daemon.uap.bus_address, parked.body[0]) is not None
+    finally:
+        bus.disconnect()

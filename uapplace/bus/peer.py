@@ -69,6 +69,8 @@ class AdmitAnswer(Protocol):
 
 ADMIT_SIGNATURE = "sssu"
 ADMIT_BY_SIGNATURE = "sssut"
+ADMIT_CALLS = frozenset({("Admit", ADMIT_SIGNATURE), ("AdmitBy", ADMIT_BY_SIGNATURE)})
+"""``(member, signature)`` of the two admit calls, as every fast admit path matches them."""
 BUS_DRIVER = "org.freedesktop.DBus"
 ACCESS_DENIED = "org.freedesktop.DBus.Error.AccessDenied"
 LOCAL_NAME = ":uapplace.bus.peer"
@@ -134,13 +136,11 @@ class PeerConnection(Bus):
 def admit_only(answer: AdmitAnswer) -> Callable[[Message], Message | None]:
     """The message handler of a peer connection: ``Hello``, ``Admit``, and refusals."""
 
-    admits = frozenset({("Admit", ADMIT_SIGNATURE), ("AdmitBy", ADMIT_BY_SIGNATURE)})
-
     def on_message(message: Message) -> Message | None:
         if message.message_type is not MessageType.METHOD_CALL:
             return None
         # The hot path first: every message but the first is an admit.
-        if message.interface == INTERFACE and (message.member, message.signature) in admits:
+        if message.interface == INTERFACE and (message.member, message.signature) in ADMIT_CALLS:
             # Admit's four arguments, or AdmitBy's five (the deadline last).
             return Message.new_method_return(message, "ssss", list(answer(*message.body)))
         if message.interface == BUS_DRIVER and message.member == "Hello":

@@ -32,13 +32,14 @@ from typing import Annotated, Any, TypeVar
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 from dbus_fast.annotations import DBusBool, DBusSignature, DBusStr, DBusUInt32, DBusUInt64
-from dbus_fast.constants import PropertyAccess
+from dbus_fast.constants import MessageFlag, PropertyAccess
 from dbus_fast.errors import DBusError
 from dbus_fast.service import ServiceInterface, dbus_method, dbus_property
 from dbus_fast.service import dbus_signal as _dbus_signal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from uapplace import __version__
+from uapplace.bus.peer import ADMIT_CALLS, AdmitAnswer
 from uapplace.controller import views
 from uapplace.controller.controller import Controller
 from uapplace.controller.ports import Authorization, AutoPolicyStore, ResidentRow, UnitWriter
@@ -49,7 +50,7 @@ from uapplace.core.validation import first_error_text
 from uapplace.daemon.authz import Action, auto_policy_actions
 from uapplace.files import jsonfile
 from uapplace.files.autopolicy import MAX_IDLE_WINDOW_S
-from uapplace.files.paths import INTERFACE
+from uapplace.files.paths import INTERFACE, OBJECT_PATH
 from uapplace.files.registry_schema import MAX_KEY_CHARS
 
 log = logging.getLogger(__name__)
@@ -541,13 +542,33 @@ def _expected_signatures() -> dict[str, tuple[str, list[str]]]:
     return out
 
 
-def track_senders(bus: MessageBus) -> Callable[[Message], Message | None]:
-    """Install the handler that records each call's sender (see the module docstring)."""
+def track_senders(
+    bus: MessageBus, admit: AdmitAnswer | None = None
+) -> Callable[[Message], Message | bool | None]:
+    """Install the handler that records each call's sender (see the module docstring).
+
+    With ``admit`` (:meth:`PlacementInterface.admit_answer`), it also answers ``Admit``
+    and ``AdmitBy`` on the object itself, as the peer socket does
+    (:func:`uapplace.bus.peer.admit_only`), before dbus-fast looks the method up, unpacks
+    it and runs the remaining handlers: the
+    same answer, error replies and side effects through the same function, less work on
+    the path every request of every client takes (issue 23; docs/performance.md, "Bus
+    Admit answered by the first handler")."""
     expected = _expected_signatures()
 
-    def on_message(message: Message) -> Message | None:
+    def on_message(message: Message) -> Message | bool | None:
         if message.message_type is not MessageType.METHOD_CALL:
             return None
+        if (
+            admit is not None
+            and message.interface == INTERFACE
+            and message.path == OBJECT_PATH
+            and (message.member, message.signature) in ADMIT_CALLS
+        ):
+            answer = list(admit(*message.body))  # a DBusError becomes the error reply
+            if message.flags & MessageFlag.NO_REPLY_EXPECTED:
+                return True  # handled; the caller asked for no reply
+            return Message.new_method_return(message, "ssss", answer)
         _CALLER.set(message.sender or "")
         if message.interface != INTERFACE:
             return None
