@@ -85,7 +85,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import real_swap  # noqa: E402
-from bench.shell_swap import ShellParts, shell_swap_parts  # noqa: E402
+from bench.shell_swap import ShellParts, shell_swap_parts, spread  # noqa: E402
 
 TARGET_RATIO = 1.02
 PAUSE_TARGET_RATIO = 0.2
@@ -407,16 +407,6 @@ def report_pause(samples: PauseSamples, cold_s: float, wake_s: float) -> int:
     verdict = "PASS" if ratio < PAUSE_TARGET_RATIO else "FAIL"
     print(f"ratio pause-swap ÷ stop-swap {ratio:.3f}  target < {PAUSE_TARGET_RATIO}: {verdict}")
     return 0
-
-
-def spread(values: list[float]) -> str:
-    """``median [q1 – q3] (min – max)``, ×1000 (ms) or as ratios."""
-    ordered = sorted(values)
-    q1, _, q3 = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else (ordered[0],) * 3
-    return (
-        f"{statistics.median(ordered):.3f} [{q1:.3f} – {q3:.3f}] "
-        f"({ordered[0]:.3f} – {ordered[-1]:.3f})"
-    )
 
 
 PARTS: tuple[tuple[str, tuple[str, ...], str], ...] = (

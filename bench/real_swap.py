@@ -53,7 +53,7 @@ from typing import Any
 import aiohttp
 from dbus_fast import Message, MessageType
 
-from bench.shell_swap import POLL_S, ShellParts, shell_swap, shell_swap_parts
+from bench.shell_swap import POLL_S, ShellParts, shell_swap, shell_swap_parts, spread
 from uapplace.bus.client import PlacementClient
 from uapplace.demo.real_engine import engine_problem, measure_models, missing_engine_text
 from uapplace.demo.sandbox import (
@@ -300,16 +300,6 @@ def report_swap(samples: SwapSamples, rounds: int) -> int:
     print(f"\n{rounds} rounds + 1 warm-up; engines: llama-server -c {LLAMA_CTX} ", end="")
     print(f"--parallel {LLAMA_PARALLEL}")
     return 0
-
-
-def spread(values: list[float]) -> str:
-    """``median [q1 – q3] (min – max)``."""
-    ordered = sorted(values)
-    q1, _, q3 = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else (ordered[0],) * 3
-    return (
-        f"{statistics.median(ordered):.3f} [{q1:.3f} – {q3:.3f}] "
-        f"({ordered[0]:.3f} – {ordered[-1]:.3f})"
-    )
 
 
 def ratios(samples: SwapSamples) -> list[float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -74,3 +75,14 @@ async def shell_swap(
 ) -> float:
     """Seconds the bare shell swap took; a failed script raises."""
     return (await shell_swap_parts(box, stop, start, guard_s)).total
+
+
+def spread(values: list[float]) -> str:
+    """``median [q1 – q3] (min – max)`` of ``values`` (seconds or ratios), as both swap
+    benches print them."""
+    ordered = sorted(values)
+    q1, _, q3 = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else (ordered[0],) * 3
+    return (
+        f"{statistics.median(ordered):.3f} [{q1:.3f} – {q3:.3f}] "
+        f"({ordered[0]:.3f} – {ordered[-1]:.3f})"
+    )

@@ -135,8 +135,8 @@ def _typer_words(error: click.UsageError, ctx: click.Context) -> None:
     raise error
 
 
-class Command(click.Command):
-    """Arguments and options in two sections, as typer listed them."""
+class _TyperWords(click.Command):
+    """Usage errors worded as typer worded them (:func:`_typer_words`)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         try:
@@ -144,6 +144,10 @@ class Command(click.Command):
         except click.UsageError as error:
             _typer_words(error, ctx)
             raise
+
+
+class Command(_TyperWords):
+    """Arguments and options in two sections, as typer listed them."""
 
     def format_arguments(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """Nothing: click 8.5's own "Positional arguments" section; :meth:`format_options`
@@ -162,20 +166,13 @@ class Command(click.Command):
                     formatter.write_dl(records)
 
 
-class Group(click.Group):
+class Group(_TyperWords, click.Group):
     """The app: its commands in the order they were added, each a :class:`Command`."""
 
     command_class = Command
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(self.commands)
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as error:
-            _typer_words(error, ctx)
-            raise
 
     def resolve_command(
         self, ctx: click.Context, args: list[str]
