@@ -5,7 +5,9 @@ registry, one resident seeded in the ledger so ``Admit`` forwards), and a tiny
 echo service (a separate process exporting ``Echo(sssu) → ssss``). Then, for
 each of the two, measures
 
-- sequential round trips on one connection: p50 / p99 latency;
+- sequential round trips, one connection to each, the echo and ``Admit`` calls in
+  turns (so both see the same moments of a shared machine): p50 / p99 latency and
+  each server's CPU per call;
 - throughput with 32 concurrent callers (32 connections, one caller each).
 
 It prints both and the ratio (target: Admit within 1.5× of the echo baseline).
@@ -110,19 +112,31 @@ async def one_call(bus: MessageBus, make: Callable[[], Message]) -> None:
         raise RuntimeError(f"call failed: {reply and reply.body}")
 
 
-async def sequential(address: str, make: Callable[[], Message], calls: int) -> list[float]:
-    bus = await MessageBus(bus_address=address).connect()
+async def paired(address: str, calls: int) -> tuple[list[float], list[float]]:
+    """``calls`` sequential echo calls and ``calls`` sequential ``Admit`` calls, in turns.
+
+    One connection per server, one call at a time, the two alternating (which goes first
+    swaps every pair), so both see the same moments of this shared machine: a burst of
+    other work lands on both sides of the ratio instead of on whichever ran then."""
+    echo_bus = await MessageBus(bus_address=address).connect()
+    admit_bus = await MessageBus(bus_address=address).connect()
+    targets = ((echo_bus, echo_message), (admit_bus, admit_message))
     try:
         for _ in range(min(200, calls)):  # warm up
-            await one_call(bus, make)
-        samples = []
-        for _ in range(calls):
-            started = time.perf_counter_ns()
-            await one_call(bus, make)
-            samples.append((time.perf_counter_ns() - started) / 1000)
+            for bus, make in targets:
+                await one_call(bus, make)
+        samples: tuple[list[float], list[float]] = ([], [])
+        for turn in range(calls):
+            order = (0, 1) if turn % 2 == 0 else (1, 0)
+            for index in order:
+                bus, make = targets[index]
+                started = time.perf_counter_ns()
+                await one_call(bus, make)
+                samples[index].append((time.perf_counter_ns() - started) / 1000)
         return samples
     finally:
-        bus.disconnect()
+        echo_bus.disconnect()
+        admit_bus.disconnect()
 
 
 async def concurrent(
@@ -187,17 +201,25 @@ def on_cpu_ns(pid: int) -> int:
 
 
 async def measure(
-    address: str, make: Callable[[], Message], args: argparse.Namespace, server: int
-) -> dict[str, float]:
-    cpu_before = on_cpu_ns(server)
-    samples = await sequential(address, make, args.calls)
-    cpu_us = (on_cpu_ns(server) - cpu_before) / 1000 / (args.calls + min(200, args.calls))
-    return {
-        "p50_us": statistics.median(samples),
-        "p99_us": percentile(samples, 0.99),
-        "cpu_us": cpu_us,
-        "calls_per_s": await concurrent(address, make, args.callers, args.per_caller),
-    }
+    address: str, args: argparse.Namespace, servers: tuple[int, int]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One round: the paired sequential calls (latency, each server's CPU per call), then
+    each server's throughput under ``--callers`` concurrent callers."""
+    cpu_before = [on_cpu_ns(pid) for pid in servers]
+    samples = await paired(address, args.calls)
+    calls_made = args.calls + min(200, args.calls)
+    rows = []
+    for index, make in enumerate((echo_message, admit_message)):
+        cpu_us = (on_cpu_ns(servers[index]) - cpu_before[index]) / 1000 / calls_made
+        rows.append(
+            {
+                "p50_us": statistics.median(samples[index]),
+                "p99_us": percentile(samples[index], 0.99),
+                "cpu_us": cpu_us,
+                "calls_per_s": await concurrent(address, make, args.callers, args.per_caller),
+            }
+        )
+    return rows[0], rows[1]
 
 
 def report(label: str, rounds: list[dict[str, float]], callers: int) -> dict[str, float]:
@@ -219,13 +241,14 @@ async def compare(
     await wait_for_name(address, ECHO_NAME, echo)
     await asyncio.to_thread(wait_published, address)
     print(
-        f"{args.rounds} interleaved rounds of {args.calls} sequential calls, then "
+        f"{args.rounds} rounds of {args.calls} sequential calls to each, the two in turns, then "
         f"{args.callers} callers × {args.per_caller} calls; medians over the rounds"
     )
     echo_rounds, admit_rounds = [], []
     for _ in range(args.rounds):
-        echo_rounds.append(await measure(address, echo_message, args, echo.pid))
-        admit_rounds.append(await measure(address, admit_message, args, daemon.pid))
+        echo_row, admit_row = await measure(address, args, (echo.pid, daemon.pid))
+        echo_rounds.append(echo_row)
+        admit_rounds.append(admit_row)
     baseline = report("echo (dbus-fast)", echo_rounds, args.callers)
     admit = report("Admit (uapplaced)", admit_rounds, args.callers)
     print(

@@ -84,6 +84,34 @@ class OrderedWriter(_MessageWriter):
             self._fail_all(err)
             self.bus._finalize(err)
 
+    def schedule_write(
+        self, msg: Message | None = None, future: asyncio.Future[None] | None = None
+    ) -> None:
+        """Queue ``msg`` (if any) and write what the socket takes now; the loop's writer
+        is installed only while bytes are left to send.
+
+        dbus-fast's version also installs it whenever the last message had no future, so a
+        frame nobody awaits (:meth:`send_frame`) would cost an ``epoll_ctl`` and a loop
+        turn each; here "all sent" is ``buf is None`` and an empty queue."""
+        idle = not self.messages and self.buf is None
+        if msg is not None:
+            self.buffer_message(msg, future)
+        self._write_queued(idle)
+
+    def send_frame(self, frame: bytes) -> None:
+        """Queue a message already framed (:mod:`uapplace.bus.frames`) that nobody awaits."""
+        idle = not self.messages and self.buf is None
+        self.messages.append((frame, None, None))  # type: ignore[arg-type]  # bytes, not bytearray: a memoryview reads both
+        self._write_queued(idle)
+
+    def _write_queued(self, idle: bool) -> None:
+        if not self.bus.unique_name:
+            return  # before ``Hello``'s reply: connect() writes the queue itself
+        if idle:
+            self.write_callback(remove_writer=False)
+        if (self.buf is not None or self.messages) and self.fd is not None:
+            self.loop.add_writer(self.fd, self.write_callback)
+
     def _take_next(self) -> bool:
         """Make the oldest queued message the current one; ``False`` when none is left."""
         if not self.messages:
@@ -157,6 +185,9 @@ class Bus(MessageBus):
     queued on the faulty writer (no window, no state to move across).
     """
 
+    _ordered: OrderedWriter | None = None
+    """The writer installed by the setter below, kept where a plain attribute read finds it."""
+
     @property
     def _writer(self) -> _MessageWriter | None:
         writer: _MessageWriter | None = _WRITER_SLOT.__get__(self, type(self))
@@ -167,6 +198,16 @@ class Bus(MessageBus):
         if writer is not None and not isinstance(writer, OrderedWriter):
             writer = OrderedWriter(self)
         _WRITER_SLOT.__set__(self, writer)
+        self._ordered = writer
+
+    def send_frame(self, frame: bytes) -> None:
+        """Queue ``frame``, a reply already framed (:mod:`uapplace.bus.frames`) that nobody
+        awaits: no ``Message``, no marshalling, no future, which is what ``Admit``'s
+        answer skips on every request (issue 23). A connection already gone drops it,
+        as dbus-fast drops a reply to a caller that has left."""
+        writer = self._ordered
+        if not self._disconnected and writer is not None:
+            writer.send_frame(frame)
 
     def send(self, msg: Message) -> asyncio.Future[None]:  # type: ignore[override]
         """Queue ``msg``; on a connection already gone, :class:`BusClosed` at once.

@@ -52,6 +52,7 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.aio.message_reader import build_message_reader
 
 from uapplace.bus.connection import Bus, OrderedWriter, connect
+from uapplace.bus.frames import NO_REPLY_EXPECTED, admit_return
 from uapplace.files.paths import INTERFACE
 
 log = logging.getLogger(__name__)
@@ -133,16 +134,21 @@ class PeerConnection(Bus):
         )
 
 
-def admit_only(answer: AdmitAnswer) -> Callable[[Message], Message | None]:
+def admit_only(answer: AdmitAnswer, peer: Bus) -> Callable[[Message], Message | bool | None]:
     """The message handler of a peer connection: ``Hello``, ``Admit``, and refusals."""
 
-    def on_message(message: Message) -> Message | None:
+    def on_message(message: Message) -> Message | bool | None:
         if message.message_type is not MessageType.METHOD_CALL:
             return None
         # The hot path first: every message but the first is an admit.
         if message.interface == INTERFACE and (message.member, message.signature) in ADMIT_CALLS:
             # Admit's four arguments, or AdmitBy's five (the deadline last).
-            return Message.new_method_return(message, "ssss", list(answer(*message.body)))
+            decision = answer(*message.body)  # a DBusError becomes the error reply
+            if not int(message.flags) & NO_REPLY_EXPECTED:
+                peer.send_frame(
+                    admit_return(peer.next_serial(), message.serial, message.sender, decision)
+                )
+            return True
         if message.interface == BUS_DRIVER and message.member == "Hello":
             return Message.new_method_return(message, "s", [f"{LOCAL_NAME}.{os.getpid()}"])
         return Message.new_error(
@@ -258,7 +264,7 @@ class PeerListener:
         peer = await self._authenticate(sock)
         if peer is None:
             return
-        peer.add_message_handler(admit_only(self.answer))
+        peer.add_message_handler(admit_only(self.answer, peer))
         self._peers.add(peer)
         try:
             await peer.wait_for_disconnect()  # type: ignore[no-untyped-call]

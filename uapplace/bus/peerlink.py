@@ -28,8 +28,15 @@ import struct
 from pathlib import Path
 
 from uapplace.bus.client import PlacementError
+from uapplace.bus.frames import (
+    ERROR,
+    HEADER_ERROR_NAME,
+    HEADER_REPLY_SERIAL,
+    HEADER_SIGNATURE,
+    METHOD_RETURN,
+    admit_by_message,
+)
 from uapplace.bus.peer import PeerRefused, check_private_dir, peer_credentials
-from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 __all__ = [
     "MalformedMessage",
@@ -48,65 +55,10 @@ class PeerLinkLost(ConnectionError):
     """The link ended (or sent what no daemon's peer socket sends): the call did not complete."""
 
 
-# --------------------------------------------------------------------------- writing
+# --------------------------------------------------------------------------- reading
 
-METHOD_CALL = 1
-METHOD_RETURN = 2
-ERROR = 3
-HEADER_ERROR_NAME = 4
-HEADER_REPLY_SERIAL = 5
-HEADER_SIGNATURE = 8
 MESSAGE_MAX = 1 << 20
 """The largest message read (an ``AdmitBy`` reply is four short strings); more ends the link."""
-
-_PAD = tuple(b"\0" * n for n in range(8))
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-_LENGTH_SERIAL = struct.Struct("<II")
-
-
-def _string(value: bytes, offset: int) -> bytes:
-    """A D-Bus ``s``/``o`` at ``offset``: padding to 4, the length, the bytes, a NUL."""
-    return _PAD[-offset % 4] + _U32.pack(len(value)) + value + b"\0"
-
-
-def _call_fields() -> bytes:
-    """The header-field array of every ``AdmitBy`` (its length first), padded to the body."""
-    fields = b""
-    for code, kind, value in (
-        (1, b"o", OBJECT_PATH),
-        (2, b"s", INTERFACE),
-        (3, b"s", "AdmitBy"),
-        (6, b"s", BUS_NAME),
-        (8, b"g", "sssut"),
-    ):
-        fields += _PAD[-(16 + len(fields)) % 8] + bytes((code, 1)) + kind + b"\0"
-        raw = value.encode()
-        if kind == b"g":
-            fields += bytes((len(raw),)) + raw + b"\0"
-        else:
-            fields += _string(raw, 16 + len(fields))
-    return _U32.pack(len(fields)) + fields + _PAD[-(16 + len(fields)) % 8]
-
-
-_CALL_START = bytes((0x6C, METHOD_CALL, 0, 1))
-_CALL_FIELDS = _call_fields()
-
-
-def admit_by_message(
-    serial: int, model: str, client: str, session: str, cells: int, deadline_us: int
-) -> bytes:
-    """``org.uap.Placement1.AdmitBy(sssut)`` as the bytes on the wire (little-endian): the
-    same bytes dbus-fast writes for that message (tests/unit/test_peer_link.py)."""
-    body = _string(model.encode(), 0)
-    body += _string(client.encode(), len(body))
-    body += _string(session.encode(), len(body))
-    body += _PAD[-len(body) % 4] + _U32.pack(cells)
-    body += _PAD[-len(body) % 8] + _U64.pack(deadline_us)
-    return _CALL_START + _LENGTH_SERIAL.pack(len(body), serial) + _CALL_FIELDS + body
-
-
-# --------------------------------------------------------------------------- reading
 
 
 class MalformedMessage(Exception):

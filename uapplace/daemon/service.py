@@ -30,15 +30,16 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from dbus_fast import Message, MessageType
-from dbus_fast.aio import MessageBus
 from dbus_fast.annotations import DBusBool, DBusSignature, DBusStr, DBusUInt32, DBusUInt64
-from dbus_fast.constants import MessageFlag, PropertyAccess
+from dbus_fast.constants import PropertyAccess
 from dbus_fast.errors import DBusError
 from dbus_fast.service import ServiceInterface, dbus_method, dbus_property
 from dbus_fast.service import dbus_signal as _dbus_signal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from uapplace import __version__
+from uapplace.bus.connection import Bus
+from uapplace.bus.frames import NO_REPLY_EXPECTED, admit_return
 from uapplace.bus.peer import ADMIT_CALLS, AdmitAnswer
 from uapplace.controller import views
 from uapplace.controller.controller import Controller
@@ -543,7 +544,7 @@ def _expected_signatures() -> dict[str, tuple[str, list[str]]]:
 
 
 def track_senders(
-    bus: MessageBus, admit: AdmitAnswer | None = None
+    bus: Bus, admit: AdmitAnswer | None = None
 ) -> Callable[[Message], Message | bool | None]:
     """Install the handler that records each call's sender (see the module docstring).
 
@@ -565,10 +566,11 @@ def track_senders(
             and message.path == OBJECT_PATH
             and (message.member, message.signature) in ADMIT_CALLS
         ):
-            answer = list(admit(*message.body))  # a DBusError becomes the error reply
-            if message.flags & MessageFlag.NO_REPLY_EXPECTED:
-                return True  # handled; the caller asked for no reply
-            return Message.new_method_return(message, "ssss", answer)
+            answer = admit(*message.body)  # a DBusError becomes the error reply
+            if not int(message.flags) & NO_REPLY_EXPECTED:
+                reply = admit_return(bus.next_serial(), message.serial, message.sender, answer)
+                bus.send_frame(reply)
+            return True  # handled
         _CALLER.set(message.sender or "")
         if message.interface != INTERFACE:
             return None

@@ -35,6 +35,7 @@ from typing import Any
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
+from uapplace.bus.connection import Bus
 from uapplace.bus.peer import PeerListener, PeerRefused
 from uapplace.bus.util import add_match, bus_daemon_message
 from uapplace.consent.auto import AutoRunner, enforcement_envelope_s, option_envelope_s
@@ -275,7 +276,7 @@ class Assembly:
 
     paths: Paths
     address: str
-    bus: MessageBus
+    bus: Bus
     controller: Controller
     interface: PlacementInterface
     proxy: ProxyClient
@@ -387,7 +388,7 @@ class Assembly:
                 log.warning("closing %s: %s", name, err)
 
 
-async def build(paths: Paths, config: ConfigState, bus: MessageBus, address: str) -> Assembly:
+async def build(paths: Paths, config: ConfigState, bus: Bus, address: str) -> Assembly:
     """Phase 1: every collaborator and the controller, the ledger restored, the bus
     interface exported; nothing written and nothing started (see the module docstring).
 
