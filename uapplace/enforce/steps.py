@@ -46,7 +46,8 @@ wake steps are :mod:`uapplace.enforce.pause`, the undoing ones :mod:`uapplace.en
   victim unit has no process left (its cgroup is empty) and the host reading is
   sane (docs/placement-rules.md §4.6, "Verify-free on the host").
 - **start** and **verify-up**: the start job, then the unit active, ``/health``
-  200 (polled from 50 ms with backoff; a unit that turns ``failed`` or
+  200 (polled every 10 ms at first, slowing with the wait to 50 ms:
+  :func:`~uapplace.publish.verify.backoff`; a unit that turns ``failed`` or
   ``inactive`` ends the wait at once), ``/v1/models`` serving the requested id
   or one the model advertises, and the capacity policy's ``metricsMustMatch``.
   A start job that fails, or a unit that goes down (or is not healthy in time), is

@@ -61,7 +61,7 @@ class Timeouts:
     """How long freed memory may take to show in the probe after the stop."""
     verify_free_poll_s: float = 0.05
     """The longest pause between two probe reads in verify-free: they start at 10 ms and
-    grow ×1.5 to this (issue 23)."""
+    slow down with the wait to this (``publish.verify.backoff``, issue 23)."""
     start_s: float = 90.0
     """The start job's deadline (``Type=simple`` units finish it at fork)."""
     verify_up_s: float = 120.0
@@ -71,10 +71,11 @@ class Timeouts:
     (measured) or ``start_timeout_s`` (the operator's bound); see :meth:`verify_up_bound`."""
     health_first_poll_s: float = 0.01
     health_max_poll_s: float = 0.05
-    """The pause between ``/health`` polls grows ×1.5 from 10 ms to this: a local GET
-    is cheap, and every 50 ms of pause is up to 50 ms added to a swap (issue 23: capped
-    at 100 ms a fake-engine swap took 1.043× the shell's, at 50 ms 1.005×); 20 GETs a
-    second at most do not slow a loading engine."""
+    """The pause between ``/health`` polls: 10 ms at first, then a tenth of the time
+    waited so far, up to this (``publish.verify.backoff``): a local GET is cheap, and
+    every 50 ms of pause is up to 50 ms added to a swap (issue 23: capped at 100 ms a
+    fake-engine swap took 1.043× the shell's, at 50 ms 1.005×); an engine loading for
+    half a second or more is asked 20 times a second, which does not slow it."""
     http_s: float = 2.0
     """One engine probe (``/health``, ``/v1/models``, ``/metrics``)."""
     rollback_up_s: float = 120.0

@@ -54,10 +54,11 @@ from uapplace.io.router import HTTP_ROUTER, RouterProbe
 from uapplace.io.seams import HTTP_ENGINES, EngineProbe
 from uapplace.io.units import DOWN_STATES, UnitState, state_text
 
-HEALTH_BACKOFF = 1.5
-"""Growth of the pause between two polls (``/health`` in :func:`wait_up`, the probe in
-verify-free, the in-flight look in drain): a short first pause catches a readiness that
-comes at once, the growth and cap spare an engine that is still loading."""
+POLL_LAG_FRACTION = 0.1
+"""How late a poll may see what it waits for, as a share of the time waited so far
+(``/health`` in :func:`wait_up`, the probe in verify-free, the in-flight look in drain):
+a readiness that comes after ``t`` is seen by ``t + max(first, 0.1 t)`` at the latest,
+and no later than the cap; an engine that loads for seconds is asked at the cap's pace."""
 
 
 FIRST_POLL_S = 0.01
@@ -65,14 +66,18 @@ FIRST_POLL_S = 0.01
 ``health_first_poll_s``, 10 ms by default)."""
 
 
-def backoff(first_s: float, max_s: float) -> Iterator[float]:
-    """The pauses of one poll: ``first_s``, then ×:data:`HEALTH_BACKOFF` up to ``max_s``
-    (``first_s`` itself when it is the larger). Issue 23: a swap is felt at the pace of
-    its polls, so the first comes soon, and none waits longer than ``max_s``."""
-    pause = first_s
+def backoff(
+    first_s: float, max_s: float, clock: Callable[[], float] = time.monotonic
+) -> Iterator[float]:
+    """The pauses of one poll, paced by the time waited so far: :data:`POLL_LAG_FRACTION`
+    of it, never less than ``first_s`` and never more than ``max_s`` (``first_s`` itself
+    when it is the larger). Issue 23: a swap is felt at the pace of its polls, so they come
+    every ``first_s`` while a quick engine is likely to turn ready, and slow down only as
+    the wait shows a long load (a pause that grew ×1.5 per poll left a 34 ms gap at 50–80
+    ms, where a small llama-server turns healthy)."""
+    started = clock()
     while True:
-        yield pause
-        pause = max(min(pause * HEALTH_BACKOFF, max_s), first_s)
+        yield max(min((clock() - started) * POLL_LAG_FRACTION, max_s), first_s)
 
 
 @dataclass(frozen=True)
@@ -324,9 +329,9 @@ class UnitWatch:
 
     ``changed`` is set by whoever follows the unit's state (the wait wakes early on
     a change); ``cached_state`` is that follower's last state, ``fresh_state`` a read
-    from the manager. Polls start at ``first_poll_s`` and grow ×:data:`HEALTH_BACKOFF`
-    up to ``max_poll_s``; each HTTP call is bounded by ``http_s`` and goes through
-    ``probe``.
+    from the manager. Polls start at ``first_poll_s`` and slow down with the wait
+    (:func:`backoff`) up to ``max_poll_s``; each HTTP call is bounded by ``http_s``
+    and goes through ``probe``.
     """
 
     changed: asyncio.Event
