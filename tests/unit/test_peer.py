@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
+from dbus_fast.constants import MessageFlag
 from dbus_fast.errors import DBusError
 
 from tests.worlds.peer_socket import listening, short_socket_path
@@ -75,6 +76,33 @@ async def test_admit_is_answered_over_the_socket(listener: PeerListener) -> None
     assert (forward.signature, forward.body) == ("ssss", list(FORWARD))
     assert park.body == ["park", "", "plc-0a1b2c", "cli:40000"]
     assert bus.unique_name is not None and bus.unique_name.startswith(":uapplace.bus.peer")
+
+
+async def test_an_admit_that_asks_no_reply_is_taken_and_answered_with_nothing(
+    socket_path: Path,
+) -> None:
+    seen: list[str] = []
+
+    def recording(
+        model: str, client: str, session: str, cells: int, deadline_us: int = 0
+    ) -> tuple[str, str, str, str]:
+        seen.append(model)
+        return FORWARD
+
+    async with listening(socket_path, recording) as served:
+        bus = await connected(served.path)
+        replies: list[Message] = []
+        bus.add_message_handler(lambda m: replies.append(m) if m.reply_serial else None)
+        try:
+            quiet = call("Admit", "sssu", ["quiet", "c", "", 1])
+            quiet.flags = MessageFlag.NO_REPLY_EXPECTED
+            await bus.send(quiet)
+            answered = await bus.call(call("Admit", "sssu", ["alpha", "c", "", 1]))
+        finally:
+            bus.disconnect()
+    assert seen == ["quiet", "alpha"]  # the quiet one was taken, first
+    assert answered is not None and answered.body == list(FORWARD)
+    assert [r.reply_serial for r in replies] == [answered.reply_serial]  # none for "quiet"
 
 
 async def test_an_error_from_admit_is_its_named_error(listener: PeerListener) -> None:
