@@ -18,21 +18,16 @@ import pytest
 from dbus_fast import Message
 from dbus_fast._private.unmarshaller import Unmarshaller
 
+from tests.bus.burst import admit_call
 from uapplace.bus.frames import admit_return
-from uapplace.files.paths import BUS_NAME, INTERFACE, OBJECT_PATH
 
 
 def call_from(sender: str | None, serial: int) -> Message:
-    return Message(
-        destination=BUS_NAME,
-        path=OBJECT_PATH,
-        interface=INTERFACE,
-        member="Admit",
-        signature="sssu",
-        body=["alpha", "client", "session", 0],
-        serial=serial,
-        sender=sender,
-    )
+    call = admit_call("alpha", "client", "session", 0)
+    call.serial = serial
+    if sender is not None:  # a peer-to-peer call has none: the reply then names no destination
+        call.sender = sender
+    return call
 
 
 def dbus_fast_reply(call: Message, serial: int, answer: tuple[str, str, str, str]) -> bytes:
