@@ -10,8 +10,9 @@ compare the two byte for byte (tests/unit/test_frames.py, tests/unit/test_peer_l
 - :func:`admit_by_message`: the shim's call on the peer socket
   (:mod:`uapplace.bus.peerlink`), from a header built once;
 - :func:`admit_return`: the daemon's answer to ``Admit``/``AdmitBy``, on the bus and on
-  the peer socket (:func:`uapplace.bus.peer.admit_only`,
-  :func:`uapplace.daemon.service.track_senders`).
+  the peer socket (:func:`uapplace.bus.peer.reply_to_admit`, which
+  :func:`uapplace.bus.peer.admit_only` and :func:`uapplace.daemon.service.track_senders`
+  both call).
 """
 
 from __future__ import annotations

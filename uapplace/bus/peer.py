@@ -134,6 +134,19 @@ class PeerConnection(Bus):
         )
 
 
+def reply_to_admit(bus: Bus, message: Message, answer: AdmitAnswer) -> bool:
+    """Answer an ``Admit`` (four arguments) or ``AdmitBy`` (five, the deadline last) call
+    that came in on ``bus``: the decision goes back framed by hand
+    (:func:`uapplace.bus.frames.admit_return`), none when the caller asked for no reply.
+    ``True``: handled. A ``DBusError`` from ``answer`` propagates, and dbus-fast turns it
+    into the error reply. The peer socket and the daemon's bus handler
+    (:func:`uapplace.daemon.service.track_senders`) both answer through this."""
+    decision = answer(*message.body)
+    if not int(message.flags) & NO_REPLY_EXPECTED:
+        bus.send_frame(admit_return(bus.next_serial(), message.serial, message.sender, decision))
+    return True
+
+
 def admit_only(answer: AdmitAnswer, peer: Bus) -> Callable[[Message], Message | bool | None]:
     """The message handler of a peer connection: ``Hello``, ``Admit``, and refusals."""
 
@@ -142,13 +155,7 @@ def admit_only(answer: AdmitAnswer, peer: Bus) -> Callable[[Message], Message | 
             return None
         # The hot path first: every message but the first is an admit.
         if message.interface == INTERFACE and (message.member, message.signature) in ADMIT_CALLS:
-            # Admit's four arguments, or AdmitBy's five (the deadline last).
-            decision = answer(*message.body)  # a DBusError becomes the error reply
-            if not int(message.flags) & NO_REPLY_EXPECTED:
-                peer.send_frame(
-                    admit_return(peer.next_serial(), message.serial, message.sender, decision)
-                )
-            return True
+            return reply_to_admit(peer, message, answer)
         if message.interface == BUS_DRIVER and message.member == "Hello":
             return Message.new_method_return(message, "s", [f"{LOCAL_NAME}.{os.getpid()}"])
         return Message.new_error(

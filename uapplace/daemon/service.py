@@ -39,8 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from uapplace import __version__
 from uapplace.bus.connection import Bus
-from uapplace.bus.frames import NO_REPLY_EXPECTED, admit_return
-from uapplace.bus.peer import ADMIT_CALLS, AdmitAnswer
+from uapplace.bus.peer import ADMIT_CALLS, AdmitAnswer, reply_to_admit
 from uapplace.controller import views
 from uapplace.controller.controller import Controller
 from uapplace.controller.ports import Authorization, AutoPolicyStore, ResidentRow, UnitWriter
@@ -566,11 +565,7 @@ def track_senders(
             and message.path == OBJECT_PATH
             and (message.member, message.signature) in ADMIT_CALLS
         ):
-            answer = admit(*message.body)  # a DBusError becomes the error reply
-            if not int(message.flags) & NO_REPLY_EXPECTED:
-                reply = admit_return(bus.next_serial(), message.serial, message.sender, answer)
-                bus.send_frame(reply)
-            return True  # handled
+            return reply_to_admit(bus, message, admit)
         _CALLER.set(message.sender or "")
         if message.interface != INTERFACE:
             return None
