@@ -322,6 +322,17 @@ def test_bad_unit_name_names_the_path(tmp_path: Path, where: tuple[str, ...], pa
     assert "invalid unit name" in err.message
 
 
+@pytest.mark.parametrize("unit", ["models.target", "engines.slice", "data.mount", "x.swap"])
+def test_a_unit_kind_that_runs_no_engine_is_refused_naming_the_path(
+    tmp_path: Path, unit: str
+) -> None:
+    doc = repo_doc()
+    doc["models"]["alpha"]["unit"] = unit
+    err = repo_error(tmp_path, doc)
+    assert err.json_path == "$.models.alpha.unit"
+    assert f"unit {unit!r} is a .{unit.rsplit('.', 1)[1]}, which runs no engine" in err.message
+
+
 def test_bad_device_key_is_refused(tmp_path: Path) -> None:
     doc = repo_doc()
     doc["devices"]["gpu 2"] = {"kind": "gpu", "total_mib": 1, "reserved_mib": 0}

@@ -30,6 +30,17 @@ _UNIT_SUFFIXES = frozenset(
 )
 
 
+ENGINELESS_KINDS = ("target", "slice", "device", "mount", "automount", "swap")
+"""Unit kinds that run no process of their own to serve a model: a registry refuses them
+as a model's unit, and the unit manager does not follow their changes."""
+
+
+def engineless_kind(name: str) -> str | None:
+    """The kind of unit ``name`` names when it is one of :data:`ENGINELESS_KINDS`."""
+    _, dot, suffix = name.rpartition(".")
+    return suffix if dot and suffix in ENGINELESS_KINDS else None
+
+
 def valid_unit_name(name: str) -> bool:
     """Safe to hand to systemd as a user unit name (never to a shell)."""
     return (

@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from uapplace.core.model import PauseLever, parse_iso
-from uapplace.core.unitnames import UNIT_NAME_RE, valid_unit_name
+from uapplace.core.unitnames import UNIT_NAME_RE, engineless_kind, valid_unit_name
 from uapplace.files.jsonfile import ConfigFileError
 
 DEVICE_KEY_RE = r"^[A-Za-z0-9_.-]+$"
@@ -110,6 +110,12 @@ def _check_unit(name: str) -> str:
         raise ValueError(
             f"invalid unit name {name!r}: must match {UNIT_NAME_RE.pattern}, "
             "contain no '..' and no '/'"
+        )
+    kind = engineless_kind(name)
+    if kind is not None:
+        raise ValueError(
+            f"unit {name!r} is a .{kind}, which runs no engine: a model's unit is the one "
+            "that runs its server (a .service, or a .socket or .scope)"
         )
     return name
 
